@@ -1,0 +1,1 @@
+"""The project's offline builder (see `python -m builder --help`)."""

@@ -1,0 +1,202 @@
+"""The project's offline builder: build.toml -> build/<variant>/, as `kernels` loads it.
+
+    python -m builder                 # every variant this machine can build
+    python -m builder --backend cpu   # only the CPU variant
+    python -m builder --clean         # forget cached objects first
+
+It does what `nix run .#build-and-copy` does for users with Nix, without Nix: compiles
+the CUDA variant (sm_75, sm_80, sm_90 + PTX) and the CPU variant against the installed
+torch with the Python limited API, generates registration.h, _ops.py and metadata.json,
+and refuses to finish if a kernel spills or a .so fails the ABI check."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if sys.version_info < (3, 11):
+    sys.exit("builder: needs Python >= 3.11 (for tomllib); the built kernels load on 3.9+")
+
+from . import generate
+from .compile import CompileError, Job, link, run_jobs
+from .config import BuildConfig, ConfigError, load_config
+from .toolchain import (Nvcc, Torch, ToolchainError, find_cxx, find_nvcc, find_torch,
+                        python_include, variant_name)
+
+ROOT = Path(__file__).resolve().parent.parent
+ABI_SHIM = Path(__file__).resolve().parent / "abi_shim"
+MANYLINUX = "manylinux_2_28"
+PYTHON_ABI = "3.9"
+
+
+def source_uid(root: Path) -> str:
+    """7 hex chars of the commit, `_dirty` when shipped sources differ from it."""
+    shipped = ["build.toml", "kernel_src", "torch-ext"]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *shipped], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + ("_dirty" if dirty else "")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        h = hashlib.sha256()
+        for top in shipped:
+            for p in sorted((root / top).rglob("*")) if (root / top).is_dir() else [root / top]:
+                if p.is_file() and "__pycache__" not in p.parts:
+                    h.update(p.read_bytes())
+        return h.hexdigest()[:7]
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    """Keep mtimes and stamps of unchanged generated files."""
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def gencode_flags(caps: tuple[str, ...]) -> list[str]:
+    flags = []
+    for i, cap in enumerate(caps):
+        sm = cap.replace(".", "")
+        code = f"[sm_{sm},compute_{sm}]" if i == len(caps) - 1 else f"sm_{sm}"
+        flags += ["-gencode", f"arch=compute_{sm},code={code}"]
+    return flags
+
+
+def arch_label(caps: tuple[str, ...]) -> str:
+    return " ".join(f"sm_{c.replace('.', '')}" for c in caps) + "+PTX"
+
+
+def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: str,
+                  uid: str, workers: int) -> Path:
+    variant = variant_name(torch, backend)
+    cache = cfg.root / ".build-cache" / variant
+    ext = generate.extension_name(cfg, backend, uid)
+    gen_dir = cache / "generated"
+    write_if_changed(gen_dir / "registration.h", generate.registration_header())
+
+    includes = [f"-I{ABI_SHIM}", f"-I{gen_dir}", f"-I{cfg.root / 'torch-ext'}"]
+    for k in cfg.kernels_for(backend):
+        includes += [f"-I{cfg.root / d}" for d in k.include]
+    for d in (*torch.include_dirs, python_include()):
+        includes += ["-isystem", str(d)]
+    defines = [f"-D{backend.upper()}_KERNEL", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.cxx11_abi)}",
+               "-DPy_LIMITED_API=0x03090000"]
+
+    sources = list(dict.fromkeys(
+        [s for s in cfg.torch_src if s.endswith((".cpp", ".cc"))]
+        + [s for k in cfg.kernels_for(backend) for s in k.compiled_sources]))
+    caps = cfg.capabilities()
+    cuda_files = sum(s.endswith(".cu") for s in sources)
+    nvcc_threads = max(1, min(len(caps), workers // max(1, cuda_files)))
+    cxx = find_cxx()
+    jobs = []
+    for src in sources:
+        obj = cache / "obj" / (src.replace("/", "__") + ".o")
+        extra = [f"-DTORCH_EXTENSION_NAME={ext}"] if src in cfg.torch_src else []
+        common = ["-std=c++20", "-O3", "-MMD", "-MF", str(obj.with_suffix(".d")),
+                  *defines, *extra, *includes, "-c", str(cfg.root / src), "-o", str(obj)]
+        if src.endswith(".cu"):
+            assert nvcc is not None
+            cmd = [str(nvcc.path), *gencode_flags(caps), "-Xptxas=-v", "-lineinfo",
+                   f"--threads={nvcc_threads}", "-Xcompiler=-fPIC", *common]
+            label = f"{src}  {arch_label(caps)}"
+        else:
+            cmd = [cxx, "-fPIC", "-Wall", "-Wno-unknown-pragmas", *common]
+            label = src
+        jobs.append(Job(label, cfg.root / src, obj, cmd))
+
+    results = run_jobs(jobs, workers, backend)
+
+    so_name = f"{ext}.abi3.so"
+    so_path = cache / so_name
+    libs = [f"-L{torch.lib_dir}", "-lc10", "-ltorch", "-ltorch_cpu"]
+    if backend == "cuda":
+        assert nvcc is not None
+        # Shared cudart: the static one drags in symbols newer than manylinux_2_28.
+        libs += ["-lc10_cuda", "-ltorch_cuda", f"-L{nvcc.cuda_home / 'lib64'}", "-lcudart"]
+    link([r.job.obj for r in results], so_path, [cxx], libs)
+    check_abi(so_path)
+
+    # Assemble in a fresh folder, then swap it in: no stale .so of an older uid survives.
+    out_dir = cfg.root / "build" / variant
+    tmp = out_dir.with_name(f".{variant}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cfg.package_dir, tmp, ignore=shutil.ignore_patterns("__pycache__", "_ops.py"))
+    shutil.copy2(so_path, tmp / so_name)
+    (tmp / "_ops.py").write_text(generate.ops_py(ext))
+    (tmp / "metadata.json").write_text(generate.metadata_json(cfg, backend, ext))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def check_abi(so_path: Path) -> None:
+    try:
+        from kernel_abi_check import ObjectFile
+    except ImportError as e:
+        raise ToolchainError("kernel_abi_check is not importable: pip install kernel-abi-check==0.14.1") from e
+    obj = ObjectFile(so_path)
+    violations = list(obj.check_manylinux(MANYLINUX)) + list(obj.check_python_abi(PYTHON_ABI))
+    if violations:
+        lines = "\n".join(f"  {v}" for v in violations)
+        raise CompileError(f"ABI check ({MANYLINUX}, Python {PYTHON_ABI}) failed for {so_path.name}:\n{lines}")
+    print(f"[abi] {so_path.name}: {MANYLINUX} and Python {PYTHON_ABI} limited API OK", flush=True)
+
+
+def choose_backends(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, requested: str) -> list[str]:
+    wanted = list(cfg.backends) if requested in ("auto", "all") else [requested]
+    if requested not in ("auto", "all") and requested not in cfg.backends:
+        raise ConfigError(f"backend {requested!r} is not in build.toml's backends {list(cfg.backends)}")
+    if "cuda" not in wanted:
+        return wanted
+    reason = None
+    if torch.cuda is None:
+        reason = "torch is a CPU-only build (install a CUDA build of torch for the CUDA variant)"
+    elif nvcc is None:
+        reason = "no nvcc found (set CUDA_HOME or put nvcc on PATH for the CUDA variant)"
+    elif nvcc.version[0] != int(torch.cuda.split(".")[0]):
+        reason = (f"nvcc {nvcc.version[0]}.{nvcc.version[1]} does not match torch's CUDA {torch.cuda} "
+                  "(the major versions must agree)")
+    if reason is None:
+        return wanted
+    if requested == "cuda" or requested == "all":
+        raise ToolchainError(f"cannot build the CUDA variant: {reason}")
+    print(f"[builder] building the CPU variant only: {reason}", flush=True)
+    return [b for b in wanted if b != "cuda"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m builder", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["auto", "all", "cuda", "cpu"], default="auto",
+                        help="auto: every backend this machine can build (default); all: fail if one cannot")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument("--clean", action="store_true", help="delete cached objects and build/ first")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(ROOT)
+        torch = find_torch()
+        nvcc = find_nvcc()
+        backends = choose_backends(cfg, torch, nvcc, args.backend)
+        if args.clean:
+            shutil.rmtree(ROOT / ".build-cache", ignore_errors=True)
+            shutil.rmtree(ROOT / "build", ignore_errors=True)
+        uid = source_uid(ROOT)
+        for backend in backends:
+            start = time.monotonic()
+            out = build_variant(cfg, torch, nvcc, backend, uid, args.jobs)
+            print(f"[builder] {out.relative_to(ROOT)} ready in {time.monotonic() - start:.0f}s", flush=True)
+    except (ConfigError, ToolchainError, CompileError) as e:
+        print(f"builder: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+// Host-side helpers shared by every op's CUDA and CPU entry points: the one dtype
+// dispatch, argument checks with values in their messages, and row geometry.
+// Lean on purpose: no torch/all.h (5x slower builds).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace ltx {
+
+// The dtypes every op takes. One dispatch for the whole package: the body sees
+// `scalar_t` as c10::Half, c10::BFloat16 or float.
+#define LTX_DISPATCH_FLOAT_TYPES(DTYPE, NAME, ...)                                   \
+  [&] {                                                                              \
+    switch (DTYPE) {                                                                 \
+      case at::ScalarType::Float: {                                                  \
+        using scalar_t = float;                                                      \
+        return __VA_ARGS__();                                                        \
+      }                                                                              \
+      case at::ScalarType::Half: {                                                   \
+        using scalar_t = c10::Half;                                                  \
+        return __VA_ARGS__();                                                        \
+      }                                                                              \
+      case at::ScalarType::BFloat16: {                                               \
+        using scalar_t = c10::BFloat16;                                              \
+        return __VA_ARGS__();                                                        \
+      }                                                                              \
+      default:                                                                       \
+        TORCH_CHECK(false, NAME, ": unsupported dtype ", DTYPE,                      \
+                    " (expected float32, float16 or bfloat16)");                     \
+    }                                                                                \
+  }()
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline void check_float_dtype(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", arg, " has dtype ",
+              t.scalar_type(), "; expected float32, float16 or bfloat16");
+}
+
+inline void check_device(const at::Tensor& t, c10::DeviceType expected, const char* op,
+                         const char* arg) {
+  TORCH_CHECK(t.device().type() == expected, op, ": ", arg, " is on ", t.device(),
+              " but this implementation runs on ", c10::DeviceTypeName(expected),
+              " tensors");
+}
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
+                              const char* arg_a, const char* arg_b) {
+  TORCH_CHECK(a.device() == b.device(), op, ": ", arg_a, " is on ", a.device(), " but ",
+              arg_b, " is on ", b.device());
+}
+
+// A tensor seen as `rows` rows of `cols` contiguous elements, row r starting at
+// data + r * row_stride. Leading dims must collapse into one stride, so slices such
+// as qkv[..., :D] work without a copy; anything else is rejected, never copied.
+struct RowView {
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;  // in elements
+};
+
+inline RowView row_view(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(t.dim() >= 1, op, ": ", arg, " must have at least 1 dim, got a 0-dim tensor");
+  const int64_t n = t.dim();
+  const int64_t cols = t.size(n - 1);
+  TORCH_CHECK(t.stride(n - 1) == 1 || cols <= 1, op, ": ", arg,
+              " must be contiguous in its last dim, got stride ", t.stride(n - 1),
+              " (call .contiguous() first)");
+  int64_t rows = 1;
+  int64_t row_stride = cols;
+  bool have_stride = false;
+  // Walk leading dims innermost-first; size-1 dims carry no stride constraint.
+  int64_t expected = 0;
+  for (int64_t d = n - 2; d >= 0; --d) {
+    const int64_t size = t.size(d);
+    rows *= size;
+    if (size == 1) continue;
+    if (!have_stride) {
+      row_stride = t.stride(d);
+      expected = row_stride * size;
+      have_stride = true;
+      continue;
+    }
+    TORCH_CHECK(t.stride(d) == expected, op, ": ", arg, " with sizes ", t.sizes(),
+                " and strides ", t.strides(),
+                " has leading dims that do not collapse into rows of one stride"
+                " (call .contiguous() first)");
+    expected *= size;
+  }
+  TORCH_CHECK(row_stride >= cols || rows <= 1, op, ": ", arg, " has overlapping rows (row stride ",
+              row_stride, " < last dim ", cols, ")");
+  return {rows, cols, row_stride};
+}
+
+inline bool aligned_to(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+}  // namespace ltx

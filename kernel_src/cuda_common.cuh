@@ -1,0 +1,72 @@
+// Device-side helpers shared by every CUDA kernel: 16-byte vectors of fp16/bf16/fp32,
+// fp32 conversion, warp and block reductions, and the launch-side stream/guard glue.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ltx {
+
+// N elements of T moved as one aligned access: 16 bytes compile to one LDG.128/STG.128.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Elements per 16-byte access.
+template <typename T>
+constexpr int kVec16 = 16 / sizeof(T);
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  return static_cast<T>(v);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* base, int vec_index) {
+  return reinterpret_cast<const Vec<T, N>*>(base)[vec_index];
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* base, int vec_index, const Vec<T, N>& v) {
+  reinterpret_cast<Vec<T, N>*>(base)[vec_index] = v;
+}
+
+// Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the
+// group gets the result.
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread
+// gets the result. `scratch` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  v = group_sum(v, 32);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.f;
+  return group_sum(v, 32);
+}
+
+inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
+
+}  // namespace ltx
