@@ -138,6 +138,11 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
 
 
 def check_abi(so_path: Path) -> None:
+    if os.environ.get("LTX_SKIP_ABI_CHECK") == "1":
+        # For images with a newer glibc than manylinux_2_28 (the H200 image): such a
+        # build is for testing on that machine only, never for shipping.
+        print(f"[abi] {so_path.name}: check skipped (LTX_SKIP_ABI_CHECK=1)", flush=True)
+        return
     try:
         from kernel_abi_check import ObjectFile
     except ImportError as e:

@@ -73,6 +73,7 @@ inline RowView row_view(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.stride(n - 1) == 1 || cols <= 1, op, ": ", arg,
               " must be contiguous in its last dim, got stride ", t.stride(n - 1),
               " (call .contiguous() first)");
+  if (t.numel() == 0) return {0, cols, cols};  // nothing to stride over
   int64_t rows = 1;
   int64_t row_stride = cols;
   bool have_stride = false;

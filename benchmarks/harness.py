@@ -1,0 +1,80 @@
+"""Timing on a GPU the way the README's numbers are taken.
+
+- kernel time: many calls captured in one CUDA graph and replayed, inputs rotated over
+  enough copies that every call misses L2 (a cold-cache number), median of replays;
+- eager time: the same call issued from Python back to back (launch and dispatch
+  included, as a caller sees it), median over batches;
+- bandwidth: bytes a call must move (each input read once, each output written once)
+  over kernel time, and that as a share of a device-to-device copy measured here.
+"""
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable, List, Sequence
+
+import torch
+
+L2_MULTIPLE = 3  # rotated input copies span this many times the L2 size
+
+
+@dataclass
+class Timing:
+    kernel_us: float
+    eager_us: float
+
+
+def l2_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+
+
+def copies_for_cold_l2(bytes_per_call: int) -> int:
+    return max(1, -(-L2_MULTIPLE * l2_bytes() // max(1, bytes_per_call)))
+
+
+def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+    """Median time of one call, from replays of a graph holding every call once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm up: lazy init and autotuning stay out of the graph
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times: List[float] = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def eager_time_us(call: Callable[[], object], batch: int = 200, batches: int = 7) -> float:
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(batches):
+        start.record()
+        for _ in range(batch):
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / batch)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = graph_time_us([lambda: dst.copy_(src)], replays=10)
+    return 2 * nbytes / us / 1e3

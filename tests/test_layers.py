@@ -1,0 +1,39 @@
+"""Layers bound to a host module behave as that module (kernelize binds them this way)."""
+
+import torch
+from torch import nn
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    """transformers' Llama RMSNorm, as it is written there."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+def test_layer_follows_the_kernelize_rules(kernel):
+    layer = kernel.layers.RMSNorm
+    assert issubclass(layer, nn.Module)
+    assert "__init__" not in vars(layer)
+    assert layer.has_backward is False and layer.can_torch_compile is False
+
+def test_rms_norm_layer_matches_the_host_module(kernel, device):
+    for dtype in (torch.float32, torch.bfloat16):
+        host = LlamaStyleRMSNorm(1024, eps=1e-5).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            host.weight.normal_()
+        x = torch.randn(3, 17, 1024, device=device, dtype=dtype)
+        expected = host(x)
+        actual = kernel.layers.RMSNorm.forward(host, x)
+        # Host rounds to the input dtype before the weight multiply: allow two roundings.
+        tol = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-7}[dtype]
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=1e-5)
+        assert actual.dtype == dtype
