@@ -27,7 +27,7 @@ from . import generate
 from .compile import CompileError, Job, link, run_jobs
 from .config import BuildConfig, ConfigError, load_config
 from .toolchain import (Nvcc, Torch, ToolchainError, find_cxx, find_nvcc, find_torch,
-                        python_include, variant_name)
+                        needed_libraries, python_include, variant_name)
 
 ROOT = Path(__file__).resolve().parent.parent
 ABI_SHIM = Path(__file__).resolve().parent / "abi_shim"
@@ -104,7 +104,7 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
                   *defines, *extra, *includes, "-c", str(cfg.root / src), "-o", str(obj)]
         if src.endswith(".cu"):
             assert nvcc is not None
-            cmd = [str(nvcc.path), *gencode_flags(caps), "-Xptxas=-v", "-lineinfo",
+            cmd = [str(nvcc.path), f"-ccbin={cxx}", *gencode_flags(caps), "-Xptxas=-v", "-lineinfo",
                    f"--threads={nvcc_threads}", "-Xcompiler=-fPIC", *common]
             label = f"{src}  {arch_label(caps)}"
         else:
@@ -122,6 +122,7 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
         # Shared cudart: the static one drags in symbols newer than manylinux_2_28.
         libs += ["-lc10_cuda", "-ltorch_cuda", f"-L{nvcc.cuda_home / 'lib64'}", "-lcudart"]
     link([r.job.obj for r in results], so_path, [cxx], libs)
+    check_shared_libstdcxx(so_path, cxx)
     check_abi(so_path)
 
     # Assemble in a fresh folder, then swap it in: no stale .so of an older uid survives.
@@ -135,6 +136,16 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def check_shared_libstdcxx(so_path: Path, cxx: str) -> None:
+    """The extension must use the process's libstdc++ (torch's), never a private copy."""
+    needed = needed_libraries(so_path)
+    if needed is not None and not any(n.startswith("libstdc++.so") for n in needed):
+        raise ToolchainError(
+            f"{cxx} linked libstdc++ statically into {so_path.name} (it needs {needed}); "
+            "a private libstdc++ beside torch's breaks exceptions: set LTX_CXX to a g++ "
+            "that links it dynamically (the system g++)")
 
 
 def check_abi(so_path: Path) -> None:

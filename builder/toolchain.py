@@ -60,10 +60,21 @@ def python_include() -> Path:
 
 
 def find_cxx() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    """$LTX_CXX, else g++ (or c++) from PATH. $CXX is not used on purpose: on some images
+    (the H200 one) it names a toolchain that links libstdc++ into the extension, and a
+    private libstdc++ beside torch's crashes the first time an error message is built."""
+    cxx = os.environ.get("LTX_CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise ToolchainError("no C++ compiler: install g++ (or set CXX)")
+        raise ToolchainError("no C++ compiler: install g++ (or set LTX_CXX)")
     return cxx
+
+
+def needed_libraries(so_path: Path) -> list[str] | None:
+    """DT_NEEDED entries of a shared object; None when readelf is unavailable."""
+    if not shutil.which("readelf"):
+        return None
+    out = subprocess.run(["readelf", "-d", str(so_path)], capture_output=True, text=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
 
 
 def find_nvcc() -> Nvcc | None:

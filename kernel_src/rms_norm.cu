@@ -11,7 +11,7 @@ namespace {
 // 1024-thread block under 64 registers per thread. Rows of more than 4096 vectors
 // (bf16 D > 32768) re-read the rest, which then comes from L2.
 constexpr int kCachedVecs = 4;
-constexpr int kMinBlock = 128;
+constexpr int kSharedBlock = 128;  // block of rows that fit in a warp
 constexpr int kMaxBlock = 1024;
 
 template <typename T, int VEC>
@@ -84,9 +84,10 @@ int next_pow2(int64_t n) {
   return p;
 }
 
-// Launch shape: threads_per_row is a power of two covering the row with at
-// most kCachedVecs vectors each (up to 1024 threads); short rows share a block so that blocks keep at
-// least kMinBlock threads (sub-warp rows reduce with shuffles only).
+// Launch shape: threads_per_row is a power of two covering the row with at most
+// kCachedVecs vectors each (up to 1024 threads). Rows of more than a warp get a block
+// each (block_sum reduces the whole block); rows of a warp or less share 128-thread
+// blocks and reduce with shuffles inside their lane group.
 struct RmsNormLaunch {
   int threads_per_row;
   int block;
@@ -94,7 +95,7 @@ struct RmsNormLaunch {
 
 RmsNormLaunch rms_norm_launch(int64_t nvec) {
   const int tpr = next_pow2((nvec + kCachedVecs - 1) / kCachedVecs);
-  return {tpr, tpr > kMinBlock ? tpr : kMinBlock};
+  return {tpr, tpr > 32 ? tpr : kSharedBlock};
 }
 
 template <typename T, int VEC>

@@ -60,6 +60,20 @@ def test_extension_passes_the_abi_check(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_extension_shares_the_process_libstdcxx(backend):
+    """A private (static) libstdc++ beside torch's crashes on the first error message."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from builder.toolchain import needed_libraries
+
+    (so,) = (REPO / "build" / expected_variant(backend)).glob("*.so")
+    needed = needed_libraries(so)
+    assert needed is not None, "readelf missing"
+    assert "libstdc++.so.6" in needed and "libc10.so" in needed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ops_live_in_the_build_namespace(backend):
     kernel = load_variant(backend)
     namespace = kernel.ops.name
