@@ -13,15 +13,47 @@ TOLERANCE = {
 }
 
 
-def rms_norm_ref(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+) -> torch.Tensor:
     x64 = x.double()
     y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_before_weight:
+        y = y.to(x.dtype).double()
     if weight is not None:
-        y = y * weight.double()
+        y = y * (weight_offset + weight.double())
     return y
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+def layer_norm_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    mean = x64.mean(-1, keepdim=True)
+    return (x64 - mean) * torch.rsqrt((x64 - mean).pow(2).mean(-1, keepdim=True) + eps)
+
+
+def adaln_ref(x, scale, shift, eps, norm):
+    """``norm(x) * (1 + scale) + shift``; scale/shift [D], [B, D] or [B, S, D]."""
+    n = rms_norm_ref(x, None, eps) if norm == "rms" else layer_norm_ref(x, eps)
+    if x.dim() == 3 and scale.dim() == 2:
+        scale, shift = scale[:, None], shift[:, None]
+    return n * (1 + scale.double()) + shift.double()
+
+
+def gated_residual_ref(residual, x, gate):
+    """``residual + x * gate`` rounded once to the input dtype."""
+    if x.dim() == 3 and gate.dim() == 2:
+        gate = gate[:, None]
+    return (residual.double() + x.double() * gate.double()).to(x.dtype)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, roundings: int = 1,
+                 atol: float = 1e-5) -> None:
+    """Within `roundings` units in the last place of `dtype` of an fp64 reference."""
     assert actual.dtype == dtype, f"dtype {actual.dtype}, expected {dtype}"
     assert not actual.isnan().any(), "NaN in output"
-    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCE[dtype])
+    rtol = TOLERANCE[dtype]["rtol"] * roundings
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)

@@ -136,8 +136,8 @@ def _bad_inputs(device):
     return {
         "weight_shape": (lambda: (x, torch.ones(32, **f16)), r"weight must have shape \[64\]"),
         "weight_2d": (lambda: (x, torch.ones(1, 64, **f16)), r"weight must have shape \[64\]"),
-        "weight_dtype": (lambda: (x, torch.ones(64, dtype=torch.float32, device=device)),
-                         "weight has dtype Float but input has dtype Half"),
+        "weight_dtype": (lambda: (x, torch.ones(64, dtype=torch.float64, device=device)),
+                         "weight has dtype Double but input has dtype Half"),
         "int_input": (lambda: (torch.ones(4, 64, dtype=torch.int32, device=device), None),
                       "input has dtype Int; expected float32, float16 or bfloat16"),
         "fp64_input": (lambda: (torch.ones(4, 64, dtype=torch.float64, device=device), None),

@@ -1,6 +1,6 @@
 // Op schemas and their CPU / CUDA implementations. Each op comes as an out-variant
-// (`<op>_out`, output first, returns nothing) and a functional form that allocates
-// its output here in C++, so a Python call costs one dispatch.
+// (`<op>_out`: outputs first, returns nothing) and a functional form that allocates its
+// outputs here in C++, so that a Python call costs one dispatch.
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -9,27 +9,112 @@
 
 namespace {
 
-using RmsNormOut = void (*)(at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double);
+using at::Tensor;
+using std::optional;
 
-template <RmsNormOut out_fn>
-at::Tensor rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight, double eps) {
-  at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
-  out_fn(out, input, weight, eps);
+Tensor empty_rows_like(const Tensor& input, at::ScalarType dtype) {
+  return at::empty_like(input, input.options().dtype(dtype), at::MemoryFormat::Contiguous);
+}
+
+template <class B>
+Tensor rms_norm(const Tensor& input, const optional<Tensor>& weight, double eps, double weight_offset,
+                bool cast_before_weight, optional<at::ScalarType> out_dtype) {
+  Tensor out = empty_rows_like(input, out_dtype.value_or(input.scalar_type()));
+  ltx::rms_norm_out<B>(out, input, weight, eps, weight_offset, cast_before_weight);
   return out;
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& input, const Tensor& residual,
+                                              const optional<Tensor>& weight, double eps, double weight_offset,
+                                              bool cast_before_weight) {
+  Tensor out = empty_rows_like(input, input.scalar_type());
+  Tensor residual_out = empty_rows_like(input, input.scalar_type());
+  ltx::fused_add_rms_norm_out<B>(out, residual_out, input, residual, weight, eps, weight_offset,
+                                 cast_before_weight);
+  return {out, residual_out};
+}
+
+template <class B>
+Tensor adaln(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps, c10::string_view norm) {
+  Tensor out = empty_rows_like(input, input.scalar_type());
+  ltx::adaln_out<B>(out, input, scale, shift, eps, std::string(norm));
+  return out;
+}
+
+template <class B>
+void adaln_out(Tensor& out, const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+               c10::string_view norm) {
+  ltx::adaln_out<B>(out, input, scale, shift, eps, std::string(norm));
+}
+
+template <class B>
+Tensor gated_residual(const Tensor& residual, const Tensor& input, const Tensor& gate) {
+  Tensor residual_out = empty_rows_like(input, input.scalar_type());
+  ltx::gated_residual_out<B>(residual_out, std::nullopt, residual, input, gate, std::nullopt, std::nullopt, 0.0, "");
+  return residual_out;
+}
+
+template <class B>
+void gated_residual_out(Tensor& residual_out, const Tensor& residual, const Tensor& input, const Tensor& gate) {
+  ltx::gated_residual_out<B>(residual_out, std::nullopt, residual, input, gate, std::nullopt, std::nullopt, 0.0, "");
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> gated_residual_adaln(const Tensor& residual, const Tensor& input, const Tensor& gate,
+                                                const Tensor& scale, const Tensor& shift, double eps,
+                                                c10::string_view norm) {
+  Tensor residual_out = empty_rows_like(input, input.scalar_type());
+  Tensor out = empty_rows_like(input, input.scalar_type());
+  ltx::gated_residual_out<B>(residual_out, out, residual, input, gate, scale, shift, eps, std::string(norm));
+  return {residual_out, out};
+}
+
+template <class B>
+void gated_residual_adaln_out(Tensor& residual_out, Tensor& out, const Tensor& residual, const Tensor& input,
+                              const Tensor& gate, const Tensor& scale, const Tensor& shift, double eps,
+                              c10::string_view norm) {
+  ltx::gated_residual_out<B>(residual_out, out, residual, input, gate, scale, shift, eps, std::string(norm));
+}
+
+template <class B>
+void impl_ops(torch::Library& ops, c10::DeviceType device) {
+  ops.impl("rms_norm", device, &rms_norm<B>);
+  ops.impl("rms_norm_out", device, &ltx::rms_norm_out<B>);
+  ops.impl("fused_add_rms_norm", device, &fused_add_rms_norm<B>);
+  ops.impl("fused_add_rms_norm_out", device, &ltx::fused_add_rms_norm_out<B>);
+  ops.impl("adaln", device, &adaln<B>);
+  ops.impl("adaln_out", device, &adaln_out<B>);
+  ops.impl("gated_residual", device, &gated_residual<B>);
+  ops.impl("gated_residual_out", device, &gated_residual_out<B>);
+  ops.impl("gated_residual_adaln", device, &gated_residual_adaln<B>);
+  ops.impl("gated_residual_adaln_out", device, &gated_residual_adaln_out<B>);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
-  ops.def("rms_norm(Tensor input, Tensor? weight, float eps) -> Tensor");
-  ops.def("rms_norm_out(Tensor! out, Tensor input, Tensor? weight, float eps) -> ()");
+  ops.def("rms_norm(Tensor input, Tensor? weight, float eps, float weight_offset, bool cast_before_weight, "
+          "ScalarType? out_dtype) -> Tensor");
+  ops.def("rms_norm_out(Tensor! out, Tensor input, Tensor? weight, float eps, float weight_offset, "
+          "bool cast_before_weight) -> ()");
+  ops.def("fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight, float eps, float weight_offset, "
+          "bool cast_before_weight) -> (Tensor, Tensor)");
+  ops.def("fused_add_rms_norm_out(Tensor! out, Tensor! residual_out, Tensor input, Tensor residual, "
+          "Tensor? weight, float eps, float weight_offset, bool cast_before_weight) -> ()");
+  ops.def("adaln(Tensor input, Tensor scale, Tensor shift, float eps, str norm) -> Tensor");
+  ops.def("adaln_out(Tensor! out, Tensor input, Tensor scale, Tensor shift, float eps, str norm) -> ()");
+  ops.def("gated_residual(Tensor residual, Tensor input, Tensor gate) -> Tensor");
+  ops.def("gated_residual_out(Tensor! residual_out, Tensor residual, Tensor input, Tensor gate) -> ()");
+  ops.def("gated_residual_adaln(Tensor residual, Tensor input, Tensor gate, Tensor scale, Tensor shift, "
+          "float eps, str norm) -> (Tensor, Tensor)");
+  ops.def("gated_residual_adaln_out(Tensor! residual_out, Tensor! out, Tensor residual, Tensor input, "
+          "Tensor gate, Tensor scale, Tensor shift, float eps, str norm) -> ()");
 
   // CPU twins are registered in every variant: a CUDA build of torch serves CPU tensors too.
-  ops.impl("rms_norm", c10::DeviceType::CPU, &rms_norm<ltx::rms_norm_out_cpu>);
-  ops.impl("rms_norm_out", c10::DeviceType::CPU, &ltx::rms_norm_out_cpu);
+  impl_ops<ltx::CpuNorm>(ops, c10::DeviceType::CPU);
 #if defined(CUDA_KERNEL)
-  ops.impl("rms_norm", c10::DeviceType::CUDA, &rms_norm<ltx::rms_norm_out_cuda>);
-  ops.impl("rms_norm_out", c10::DeviceType::CUDA, &ltx::rms_norm_out_cuda);
+  impl_ops<ltx::CudaNorm>(ops, c10::DeviceType::CUDA);
 #endif
 }
 

@@ -1,5 +1,5 @@
-// Every op's entry points, as the binding registers them. The declarations live
-// beside their kernels (kernel_src/<op>.h) so that kernels and binding share them.
+// Every op's entry points, as the binding registers them. The declarations live beside
+// their kernels (kernel_src/<family>.h) so that kernels and binding share them.
 #pragma once
 
-#include "rms_norm.h"
+#include "norm.h"

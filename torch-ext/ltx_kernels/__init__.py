@@ -2,6 +2,14 @@
 
 from . import layers
 from ._ops import ops
-from .norms import rms_norm
+from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
 
-__all__ = ["layers", "ops", "rms_norm"]
+__all__ = [
+    "adaln",
+    "fused_add_rms_norm",
+    "gated_residual",
+    "gated_residual_adaln",
+    "layers",
+    "ops",
+    "rms_norm",
+]

@@ -8,12 +8,9 @@ from .norms import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """For transformers' ``"RMSNorm"`` hook (Llama, Mistral, Qwen2/3 ...).
-
-    Uses the host's ``weight`` and ``variance_epsilon``. The kernel multiplies by the
-    weight in fp32 before its one rounding, where the host rounds to the input dtype
-    first: results agree within one rounding of the input dtype.
-    """
+    """For transformers' ``"RMSNorm"`` hook (Llama, Mistral, Qwen2/3 ...): the host's
+    ``weight * norm(x.float()).to(x.dtype)``, same roundings, and an fp32 output for an
+    fp32 weight (type promotion), from its ``weight`` and ``variance_epsilon``."""
 
     weight: torch.Tensor
     variance_epsilon: float
@@ -22,4 +19,6 @@ class RMSNorm(nn.Module):
     can_torch_compile = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        out_dtype = torch.promote_types(self.weight.dtype, hidden_states.dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_before_weight=True,
+                        out_dtype=out_dtype)

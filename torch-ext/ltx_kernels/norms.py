@@ -1,11 +1,20 @@
-"""Normalisation ops: the functional API over the compiled ops, with their fake
-(meta) implementations for torch.compile beside them."""
+"""The norm family: the functional API over the compiled ops, with their fake (meta)
+implementations for torch.compile beside them.
 
-from typing import Optional
+Shared rules: tensors are float32, float16 or bfloat16 on one device (CPU or CUDA); the
+input is ``[..., D]`` with a contiguous last dim and leading dims that collapse into one
+row stride (contiguous tensors and slices such as ``qkv[..., :D]``); sums and norms are
+computed in fp32 and every output is rounded once. Outputs are new contiguous tensors,
+or the ``out=`` tensors given (same sizes as the input; they may be the inputs).
+"""
+
+from typing import Optional, Tuple
 
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
+
+NORMS = ("rms", "layer")
 
 
 def rms_norm(
@@ -13,34 +22,152 @@ def rms_norm(
     weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
     *,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """RMSNorm over the last dim: ``x * rsqrt(mean(x**2, -1) + eps) * weight``.
-
-    Computed in fp32 and rounded once to ``x.dtype`` (as ``F.rms_norm``).
+    """RMSNorm over the last dim: ``x * rsqrt(mean(x**2, -1) + eps) * (weight_offset + weight)``.
 
     Args:
-        x: ``[..., D]`` float32, float16 or bfloat16, on CPU or CUDA. The last dim must
-            be contiguous and the leading dims must collapse into one row stride
-            (contiguous tensors and slices such as ``qkv[..., :D]`` qualify).
-        weight: optional ``[D]``, same dtype and device as ``x``.
+        x: ``[..., D]``.
+        weight: ``[D]`` of ``x``'s dtype, or float32 with fp16/bf16 ``x``; or ``None``.
         eps: added to the mean square, >= 0.
-        out: optional output with ``x``'s sizes and dtype (may be ``x`` itself).
-
-    Returns:
-        ``out`` if given, else a new contiguous tensor shaped like ``x``.
+        weight_offset: 1.0 for zero-centred weights (Gemma, Qwen3.5: ``1 + weight``).
+        cast_before_weight: round the normed value to ``x.dtype`` before the weight
+            multiply (transformers' Llama order); by default one rounding at the end
+            (``F.rms_norm``, Gemma).
+        out_dtype: ``x.dtype`` (default) or float32 (fp32 weight only: what the Llama
+            order returns for an fp32 weight).
+        out: optional output of ``x``'s sizes; its dtype then sets the output dtype.
     """
     if out is None:
-        return ops.rms_norm(x, weight, eps)
-    ops.rms_norm_out(out, x, weight, eps)
+        return ops.rms_norm(x, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    ops.rms_norm_out(out, x, weight, eps, weight_offset, cast_before_weight)
     return out
 
 
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    *,
+    weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
+    out: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (rounded to ``x.dtype``, as the hosts add), then
+    ``(rms_norm(h, weight, eps, ...), h)``. ``residual`` has ``x``'s sizes and dtype.
+    ``out`` and ``residual_out`` come together; they may be ``x`` and ``residual``
+    (in place)."""
+    if (out is None) != (residual_out is None):
+        raise ValueError("fused_add_rms_norm: pass out and residual_out together, or neither")
+    if out is None:
+        return ops.fused_add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight)
+    ops.fused_add_rms_norm_out(out, residual_out, x, residual, weight, eps, weight_offset, cast_before_weight)
+    return out, residual_out
+
+
+def adaln(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    norm: str = "layer",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Adaptive norm: ``norm(x) * (1 + scale) + shift``.
+
+    Args:
+        x: ``[B, S, D]`` or ``[B, D]``.
+        scale, shift: ``[D]``, ``[B, D]``, ``[B, 1, D]`` or ``[B, S, D]`` (per token), of
+            ``x``'s dtype with a contiguous last dim; other strides are fine (views from
+            ``emb.chunk(6, dim=-1)`` need no copy).
+        norm: ``"layer"`` (LayerNorm without affine: FLUX, SD3, DiT, LTX's final norm) or
+            ``"rms"`` (LTX-Video blocks).
+    """
+    _check_norm(norm)
+    if out is None:
+        return ops.adaln(x, scale, shift, eps, norm)
+    ops.adaln_out(out, x, scale, shift, eps, norm)
+    return out
+
+
+def gated_residual(
+    residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, *, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The DiT gated residual ``residual + x * gate``; ``gate`` broadcasts as ``scale``
+    does in :func:`adaln`."""
+    if out is None:
+        return ops.gated_residual(residual, x, gate)
+    ops.gated_residual_out(out, residual, x, gate)
+    return out
+
+
+def gated_residual_adaln(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    norm: str = "layer",
+    residual_out: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One pass for the block boundary of a DiT: ``h = residual + x * gate`` and
+    ``adaln(h, scale, shift, eps, norm=norm)``. Returns ``(h, modulated)``."""
+    _check_norm(norm)
+    if (out is None) != (residual_out is None):
+        raise ValueError("gated_residual_adaln: pass out and residual_out together, or neither")
+    if out is None:
+        return ops.gated_residual_adaln(residual, x, gate, scale, shift, eps, norm)
+    ops.gated_residual_adaln_out(residual_out, out, residual, x, gate, scale, shift, eps, norm)
+    return residual_out, out
+
+
+def _check_norm(norm: str) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+
+
+# Fake implementations: output metadata only, for torch.compile and meta tensors.
+
+
+def _empty_rows_like(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return torch.empty_like(x, dtype=dtype or x.dtype, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake(add_op_namespace_prefix("rms_norm"))
-def _rms_norm_fake(x, weight, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
+    return _empty_rows_like(x, out_dtype)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("rms_norm_out"))
-def _rms_norm_out_fake(out, x, weight, eps):
-    return None
+@torch.library.register_fake(add_op_namespace_prefix("fused_add_rms_norm"))
+def _(x, residual, weight, eps, weight_offset, cast_before_weight):
+    return _empty_rows_like(x), _empty_rows_like(x)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("adaln"))
+def _(x, scale, shift, eps, norm):
+    return _empty_rows_like(x)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_residual"))
+def _(residual, x, gate):
+    return _empty_rows_like(x)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_residual_adaln"))
+def _(residual, x, gate, scale, shift, eps, norm):
+    return _empty_rows_like(x), _empty_rows_like(x)
+
+
+for _name in ("rms_norm_out", "fused_add_rms_norm_out", "adaln_out", "gated_residual_out",
+              "gated_residual_adaln_out"):
+    torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
+del _name

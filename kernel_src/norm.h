@@ -1,0 +1,268 @@
+// The norm family: RMSNorm (weight, zero-centred weight, two cast orders, fp32 weight),
+// fused residual add + RMSNorm, AdaLN (RMS or LayerNorm, then * (1 + scale) + shift),
+// and the DiT gated residual (residual + input * gate), optionally followed by AdaLN.
+//
+// Every op is one row-wise pass: [residual add, optionally gated] -> [norm] -> [weight or
+// modulation] -> one rounding. The op entry points here validate and describe the work
+// as a torch-free NormArgs; run_norm_cuda / run_norm_cpu execute it. Entry points are
+// templates over the runner, so the CUDA and CPU ops validate identically.
+#pragma once
+
+#include "common.h"
+
+#include <limits>
+#include <string>
+#include <tuple>
+
+namespace ltx {
+
+enum class NormKind { kRms, kLayer, kNone };
+
+// A [B or 1, S or 1, D] operand read per row: row r = (b, s) reads
+// ptr + b * batch_stride + s * token_stride + [0, D). Broadcast dims have stride 0.
+struct Modulation {
+  const void* ptr = nullptr;
+  int64_t batch_stride = 0;
+  int64_t token_stride = 0;
+};
+
+struct NormArgs {
+  NormKind kind = NormKind::kRms;
+  at::ScalarType dtype = at::kFloat;  // input, residual, gate, scale, shift, residual_out
+  bool weight_fp32 = false;           // weight is fp32 while the input is fp16/bf16
+  bool out_fp32 = false;              // out is fp32 while the input is fp16/bf16
+  c10::Device device = c10::Device(c10::kCPU);
+
+  void* out = nullptr;           // [rows, cols], or nullptr (kNone)
+  void* residual_out = nullptr;  // [rows, cols] residual + input (* gate), or nullptr
+  const void* input = nullptr;
+  const void* residual = nullptr;
+  const void* weight = nullptr;  // [cols] or nullptr
+  Modulation gate, scale, shift;
+
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t tokens = 1;  // rows per batch entry: row r is (r / tokens, r % tokens)
+  int64_t input_stride = 0, residual_stride = 0, out_stride = 0, residual_out_stride = 0;
+
+  float eps = 0.f;
+  float inv_cols = 0.f;  // 1 / cols: a multiply, where a division calls a slow-path routine
+  float weight_offset = 0.f;
+  bool cast_before_weight = false;  // round the normed value to dtype before the weight
+};
+
+void run_norm_cpu(const NormArgs& args);
+#if defined(CUDA_KERNEL)
+void run_norm_cuda(const NormArgs& args);
+#endif
+
+namespace norm_detail {
+
+inline NormKind parse_kind(const std::string& norm, const char* op) {
+  if (norm == "rms") return NormKind::kRms;
+  if (norm == "layer") return NormKind::kLayer;
+  TORCH_CHECK(false, op, ": norm must be \"rms\" or \"layer\", got \"", norm, "\"");
+}
+
+// Checks every tensor a norm op touches; fills the fields they determine.
+struct Checker {
+  const char* op;
+  const at::Tensor& input;
+  c10::DeviceType device;
+  NormArgs& a;
+
+  void check_input() {
+    check_device(input, device, op, "input");
+    check_float_dtype(input, op, "input");
+    TORCH_CHECK(input.dim() >= 1 && input.size(-1) > 0, op,
+                ": input must have a non-empty last dim, got sizes ", input.sizes());
+    TORCH_CHECK(input.size(-1) <= std::numeric_limits<int32_t>::max(), op, ": last dim ",
+                input.size(-1), " is too large (at most 2^31 - 1)");
+    const RowView v = row_view(input, op, "input");
+    a.dtype = input.scalar_type();
+    a.device = input.device();
+    a.input = input.const_data_ptr();
+    a.rows = v.rows;
+    a.cols = v.cols;
+    a.input_stride = v.row_stride;
+    a.inv_cols = 1.0f / static_cast<float>(v.cols);
+  }
+
+  // Same sizes and device as input; dtype as given. Returns its row stride.
+  int64_t like_input(const at::Tensor& t, const char* arg, at::ScalarType dtype) {
+    check_same_device(t, input, op, arg, "input");
+    TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
+                "; expected ", dtype);
+    TORCH_CHECK(t.sizes() == input.sizes(), op, ": ", arg, " has sizes ", t.sizes(),
+                " but input has sizes ", input.sizes());
+    return row_view(t, op, arg).row_stride;
+  }
+
+  void weight(const std::optional<at::Tensor>& w, bool fp32_allowed) {
+    if (!w.has_value()) return;
+    check_same_device(*w, input, op, "weight", "input");
+    const bool fp32 = w->scalar_type() == at::kFloat && a.dtype != at::kFloat;
+    TORCH_CHECK(w->scalar_type() == a.dtype || (fp32 && fp32_allowed), op, ": weight has dtype ",
+                w->scalar_type(), " but input has dtype ", a.dtype,
+                fp32_allowed ? " (the weight may be the input's dtype or float32)" : "");
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == a.cols, op, ": weight must have shape [", a.cols,
+                "] (the input's last dim), got ", w->sizes());
+    TORCH_CHECK(w->stride(0) == 1 || a.cols == 1, op, ": weight must be contiguous, got stride ",
+                w->stride(0));
+    a.weight = w->const_data_ptr();
+    a.weight_fp32 = fp32;
+  }
+
+  // input seen as [B, S, D]: 2-D input is [B, 1, D]; 3-D is itself.
+  void batch_tokens() {
+    TORCH_CHECK(input.dim() == 2 || input.dim() == 3, op, ": input must be [B, S, D] or [B, D], got sizes ",
+                input.sizes());
+    a.tokens = input.dim() == 3 ? input.size(1) : 1;
+  }
+
+  // A modulation operand of shape [D], [B', D] or [B', S', D] with B' in {B, 1} and
+  // S' in {S, 1}, same dtype as input, contiguous last dim; any other strides.
+  Modulation modulation(const at::Tensor& m, const char* arg) {
+    check_same_device(m, input, op, arg, "input");
+    TORCH_CHECK(m.scalar_type() == a.dtype, op, ": ", arg, " has dtype ", m.scalar_type(),
+                " but input has dtype ", a.dtype);
+    const int64_t batch = input.size(0);
+    const int64_t tokens = a.tokens;
+    const int64_t d = m.dim();
+    TORCH_CHECK(d >= 1 && d <= 3 && m.size(-1) == a.cols, op, ": ", arg, " must be [D], [B, D] or [B, S, D] with D = ",
+                a.cols, ", got sizes ", m.sizes());
+    const int64_t mb = d >= 2 ? m.size(0) : 1;
+    const int64_t ms = d == 3 ? m.size(1) : 1;
+    TORCH_CHECK((mb == batch || mb == 1) && (ms == tokens || ms == 1), op, ": ", arg, " with sizes ",
+                m.sizes(), " does not broadcast to input [B=", batch, ", S=", tokens, ", D=", a.cols, "]");
+    TORCH_CHECK(m.stride(-1) == 1 || a.cols == 1, op, ": ", arg,
+                " must be contiguous in its last dim, got stride ", m.stride(-1));
+    Modulation mod;
+    mod.ptr = m.const_data_ptr();
+    mod.batch_stride = (d >= 2 && mb > 1) ? m.stride(0) : 0;
+    mod.token_stride = (d == 3 && ms > 1) ? m.stride(1) : 0;
+    return mod;
+  }
+};
+
+inline void check_eps(double eps, const char* op) {
+  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+}
+
+}  // namespace norm_detail
+
+// Where an op runs: the tensors' device type and the function that runs the work.
+struct CpuNorm {
+  static constexpr c10::DeviceType device = c10::kCPU;
+  static void run(const NormArgs& a) { run_norm_cpu(a); }
+};
+#if defined(CUDA_KERNEL)
+struct CudaNorm {
+  static constexpr c10::DeviceType device = c10::kCUDA;
+  static void run(const NormArgs& a) { run_norm_cuda(a); }
+};
+#endif
+
+// out = rms_norm(input) * (weight_offset + weight). With cast_before_weight the normed
+// value is rounded to the input dtype before the weight multiply (transformers' Llama
+// order); otherwise the math is fp32 with one rounding (F.rms_norm, Gemma). The weight
+// may be fp32 for fp16/bf16 input, and out may then be fp32 (what the hosts return).
+template <class Backend>
+void rms_norm_out(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                  double eps, double weight_offset, bool cast_before_weight) {
+  constexpr const char* op = "rms_norm";
+  NormArgs a;
+  norm_detail::Checker c{op, input, Backend::device, a};
+  c.check_input();
+  c.weight(weight, /*fp32_allowed=*/true);
+  norm_detail::check_eps(eps, op);
+  a.out_fp32 = out.scalar_type() == at::kFloat && a.dtype != at::kFloat;
+  TORCH_CHECK(out.scalar_type() == a.dtype || a.out_fp32, op, ": out has dtype ", out.scalar_type(),
+              " but input has dtype ", a.dtype, " (out may be the input's dtype or float32)");
+  TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
+  a.out_stride = c.like_input(out, "out", out.scalar_type());
+  a.out = out.mutable_data_ptr();
+  a.eps = static_cast<float>(eps);
+  a.weight_offset = static_cast<float>(weight_offset);
+  a.cast_before_weight = cast_before_weight;
+  if (a.rows > 0) Backend::run(a);
+}
+
+// residual_out = input + residual (rounded to the input dtype, as the hosts add), then
+// out = rms_norm(residual_out) as rms_norm_out. out and residual_out may be input and
+// residual themselves (in-place, vLLM style).
+template <class Backend>
+void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& input,
+                            const at::Tensor& residual, const std::optional<at::Tensor>& weight, double eps,
+                            double weight_offset, bool cast_before_weight) {
+  constexpr const char* op = "fused_add_rms_norm";
+  NormArgs a;
+  norm_detail::Checker c{op, input, Backend::device, a};
+  c.check_input();
+  c.weight(weight, /*fp32_allowed=*/true);
+  norm_detail::check_eps(eps, op);
+  a.residual_stride = c.like_input(residual, "residual", a.dtype);
+  a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
+  a.out_stride = c.like_input(out, "out", a.dtype);
+  a.residual = residual.const_data_ptr();
+  a.residual_out = residual_out.mutable_data_ptr();
+  a.out = out.mutable_data_ptr();
+  a.eps = static_cast<float>(eps);
+  a.weight_offset = static_cast<float>(weight_offset);
+  a.cast_before_weight = cast_before_weight;
+  if (a.rows > 0) Backend::run(a);
+}
+
+// out = norm(input) * (1 + scale) + shift, norm "rms" or "layer" (no affine), input
+// [B, S, D] or [B, D], scale and shift [D], [B, D], [B, 1, D] or [B, S, D] views.
+template <class Backend>
+void adaln_out(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale, const at::Tensor& shift,
+               double eps, const std::string& norm) {
+  constexpr const char* op = "adaln";
+  NormArgs a;
+  norm_detail::Checker c{op, input, Backend::device, a};
+  c.check_input();
+  c.batch_tokens();
+  a.kind = norm_detail::parse_kind(norm, op);
+  norm_detail::check_eps(eps, op);
+  a.scale = c.modulation(scale, "scale");
+  a.shift = c.modulation(shift, "shift");
+  a.out_stride = c.like_input(out, "out", a.dtype);
+  a.out = out.mutable_data_ptr();
+  a.eps = static_cast<float>(eps);
+  if (a.rows > 0) Backend::run(a);
+}
+
+// residual_out = residual + input * gate (the DiT gated residual); with an output, also
+// out = norm(residual_out) * (1 + scale) + shift (the next block's AdaLN) in the same pass.
+template <class Backend>
+void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor>& out,
+                        const at::Tensor& residual, const at::Tensor& input, const at::Tensor& gate,
+                        const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
+                        double eps, const std::string& norm) {
+  constexpr const char* op = "gated_residual";
+  NormArgs a;
+  norm_detail::Checker c{op, input, Backend::device, a};
+  c.check_input();
+  c.batch_tokens();
+  a.residual_stride = c.like_input(residual, "residual", a.dtype);
+  a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
+  a.residual = residual.const_data_ptr();
+  a.residual_out = residual_out.mutable_data_ptr();
+  a.gate = c.modulation(gate, "gate");
+  TORCH_CHECK(out.has_value() == scale.has_value() && out.has_value() == shift.has_value(), op,
+              ": out, scale and shift come together (the fused AdaLN) or not at all");
+  a.kind = NormKind::kNone;
+  if (out.has_value()) {
+    a.kind = norm_detail::parse_kind(norm, op);
+    norm_detail::check_eps(eps, op);
+    a.scale = c.modulation(*scale, "scale");
+    a.shift = c.modulation(*shift, "shift");
+    a.out_stride = c.like_input(*out, "out", a.dtype);
+    a.out = out->mutable_data_ptr();
+    a.eps = static_cast<float>(eps);
+  }
+  if (a.rows > 0) Backend::run(a);
+}
+
+}  // namespace ltx

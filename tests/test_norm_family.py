@@ -1,0 +1,186 @@
+"""The rest of the norm family against fp64 references: RMSNorm variants (zero-centred
+weight, cast orders, fp32 weight), fused add + RMSNorm, AdaLN (RMS and LayerNorm) and the
+gated residual with and without the fused AdaLN."""
+
+import pytest
+import torch
+
+from reference import (adaln_ref, assert_close, gated_residual_ref, layer_norm_ref,
+                       rms_norm_ref)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LOW = [torch.float16, torch.bfloat16]
+# (rows, D): vector paths of each launch shape, odd D (scalar path), per-head D.
+SHAPES = [(1, 64), (37, 128), (33, 1000), (5, 1536), (64, 2048), (3, 4096), (2, 65536), (9, 1001)]
+
+
+def make(shape, dtype, device, scale=1.0):
+    return (torch.randn(shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def shape_id(s):
+    return "x".join(map(str, s))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_zero_centred_weight(kernel, device, shape, dtype):
+    """Gemma / Qwen3.5: norm(x) * (1 + w), weights near zero."""
+    x, w = make(shape, dtype, device), make(shape[-1:], dtype, device, scale=0.1)
+    y = kernel.rms_norm(x, w, 1e-6, weight_offset=1.0)
+    assert_close(y, rms_norm_ref(x, w, 1e-6, weight_offset=1.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_cast_before_weight(kernel, device, shape, dtype):
+    """Llama order: round norm(x) to the input dtype, then multiply by the weight."""
+    x, w = make(shape, dtype, device), make(shape[-1:], dtype, device)
+    y = kernel.rms_norm(x, w, 1e-6, cast_before_weight=True)
+    # Two roundings, as the host; the reference rounds its fp64 value, which can tie differently.
+    assert_close(y, rms_norm_ref(x, w, 1e-6, cast_before_weight=True), dtype, roundings=2)
+
+
+@pytest.mark.parametrize("cast_before_weight", [False, True])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out_input_dtype", "out_fp32"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_fp32_weight_with_low_precision_input(kernel, device, dtype, out_dtype, cast_before_weight):
+    x, w = make((29, 768), dtype, device), make((768,), torch.float32, device)
+    y = kernel.rms_norm(x, w, 1e-6, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    expected = rms_norm_ref(x, w, 1e-6, cast_before_weight=cast_before_weight)
+    assert y.dtype == (out_dtype or dtype)
+    # Roundings: to the input dtype before the weight (Llama order), then to the output.
+    tol_dtype = dtype if cast_before_weight else y.dtype
+    assert_close(y.to(tol_dtype), expected, tol_dtype, roundings=2 if cast_before_weight else 1)
+
+
+def test_fp32_out_needs_fp32_weight(kernel, device):
+    x = make((4, 64), torch.bfloat16, device)
+    with pytest.raises(RuntimeError, match="a float32 out needs a float32 weight"):
+        kernel.rms_norm(x, make((64,), torch.bfloat16, device), out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "no_weight"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_fused_add_rms_norm(kernel, device, shape, dtype, with_weight):
+    x, res = make(shape, dtype, device), make(shape, dtype, device)
+    w = make(shape[-1:], dtype, device) if with_weight else None
+    y, h = kernel.fused_add_rms_norm(x, res, w, 1e-6)
+    h_ref = (x.double() + res.double()).to(dtype)
+    assert torch.equal(h, h_ref), "the residual sum is rounded once to the input dtype"
+    assert_close(y, rms_norm_ref(h_ref, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_in_place(kernel, device, dtype):
+    """vLLM style: x receives the norm, residual the sum (rows long enough to re-read)."""
+    x, res = make((6, 40000), dtype, device), make((6, 40000), dtype, device)
+    w = make((40000,), dtype, device)
+    h_ref = (x.double() + res.double()).to(dtype)
+    y_ref = rms_norm_ref(h_ref, w, 1e-6)
+    y, h = kernel.fused_add_rms_norm(x, res, w, 1e-6, out=x, residual_out=res)
+    assert y is x and h is res
+    assert torch.equal(res, h_ref)
+    assert_close(x, y_ref, dtype)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "x_shape, mod_shape",
+    [((2, 77, 512), (2, 512)), ((2, 77, 512), (2, 1, 512)), ((2, 77, 512), (2, 77, 512)),
+     ((3, 5, 2048), (512 * 4,)), ((4, 1000), (4, 1000)), ((2, 9, 1001), (2, 1, 1001)),
+     ((1, 3, 65536), (1, 65536))],
+    ids=["per_batch", "per_batch_3d", "per_token", "shared", "2d", "odd_d", "long_rows"],
+)
+def test_adaln(kernel, device, x_shape, mod_shape, dtype, norm):
+    x = make(x_shape, dtype, device, scale=2.0) + 0.5  # an offset mean: LayerNorm must centre
+    scale = make(mod_shape, dtype, device, scale=0.3)
+    shift = make(mod_shape, dtype, device, scale=0.3)
+    y = kernel.adaln(x, scale, shift, 1e-6, norm=norm)
+    assert_close(y, adaln_ref(x, scale, shift, 1e-6, norm), dtype, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_adaln_takes_chunked_views(kernel, device, norm):
+    """scale/shift as emb.chunk(6, -1) views (batch stride 6D): no copy, same result."""
+    b, s, d = 2, 33, 256
+    x = make((b, s, d), torch.bfloat16, device)
+    emb = make((b, 6 * d), torch.bfloat16, device, scale=0.3)
+    shift, scale = emb.chunk(6, dim=-1)[:2]
+    assert not scale.is_contiguous()
+    y = kernel.adaln(x, scale, shift, 1e-6, norm=norm)
+    assert_close(y, adaln_ref(x, scale.contiguous(), shift.contiguous(), 1e-6, norm), torch.bfloat16, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gate_shape", [(2, 300), (2, 1, 300), (2, 50, 300)], ids=["per_batch", "per_batch_3d", "per_token"])
+def test_gated_residual(kernel, device, gate_shape, dtype):
+    res, x = make((2, 50, 300), dtype, device), make((2, 50, 300), dtype, device)
+    gate = make(gate_shape, dtype, device)
+    h = kernel.gated_residual(res, x, gate)
+    expected = gated_residual_ref(res, x, gate)
+    # fp32 fma then one rounding vs the exact value rounded: ties can differ by one ulp.
+    assert_close(h, expected, dtype)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [256, 2048, 1001, 40000])
+def test_gated_residual_adaln(kernel, device, d, dtype, norm):
+    b, s = 2, 7
+    res, x = make((b, s, d), dtype, device), make((b, s, d), dtype, device)
+    gate = make((b, d), dtype, device)
+    scale, shift = make((b, 1, d), dtype, device, scale=0.3), make((b, 1, d), dtype, device, scale=0.3)
+    h, y = kernel.gated_residual_adaln(res, x, gate, scale, shift, 1e-6, norm=norm)
+    h_ref = gated_residual_ref(res, x, gate)
+    assert_close(h, h_ref, dtype)
+    # The norm is of the rounded residual the kernel stored, as the host normalises it.
+    assert_close(y, adaln_ref(h, scale, shift, 1e-6, norm), dtype, atol=1e-4)
+
+
+def test_layer_norm_centres_large_means(kernel, device):
+    """mean / std = 300: E[x^2] - E[x]^2 in fp32 would lose the variance to cancellation
+    (errors ~0.3); the two-pass variance keeps the result within 5e-3."""
+    x = (torch.randn(4, 1, 4096) + 300.0).to(device)
+    zeros = torch.zeros(4096, device=device)
+    y = kernel.adaln(x, zeros, zeros, 1e-6, norm="layer")
+    torch.testing.assert_close(y.double(), layer_norm_ref(x, 1e-6), rtol=0, atol=5e-3)
+
+
+def _bad_calls(k, device):
+    f16 = dict(dtype=torch.float16, device=device)
+    x = torch.randn(2, 3, 64, **f16)
+    mod = torch.randn(2, 64, **f16)
+    return {
+        "adaln_norm_name": (lambda: k.ops.adaln(x, mod, mod, 1e-6, "batch"), r'norm must be "rms" or "layer"'),
+        "adaln_scale_d": (lambda: k.adaln(x, torch.randn(2, 32, **f16), mod), "must be \\[D\\], \\[B, D\\] or \\[B, S, D\\]"),
+        "adaln_scale_batch": (lambda: k.adaln(x, torch.randn(3, 64, **f16), mod), "does not broadcast to input"),
+        "adaln_scale_dtype": (lambda: k.adaln(x, mod.float(), mod), "scale has dtype Float but input has dtype Half"),
+        "adaln_4d_input": (lambda: k.adaln(x[None], mod, mod), r"input must be \[B, S, D\] or \[B, D\]"),
+        "adaln_scale_stride": (lambda: k.adaln(x, torch.randn(2, 128, **f16)[:, ::2], mod),
+                               "scale must be contiguous in its last dim"),
+        "fused_add_residual_shape": (lambda: k.fused_add_rms_norm(x, torch.randn(2, 3, 32, **f16)),
+                                     "residual has sizes"),
+        "fused_add_residual_dtype": (lambda: k.fused_add_rms_norm(x, x.float()), "residual has dtype Float"),
+        "gated_gate_shape": (lambda: k.gated_residual(x, x, torch.randn(2, 4, 64, **f16)), "does not broadcast"),
+        "gated_residual_dtype": (lambda: k.gated_residual(x.float(), x, mod), "residual has dtype Float"),
+        "weight_bf16_with_fp16": (lambda: k.rms_norm(x, torch.ones(64, dtype=torch.bfloat16, device=device)),
+                                  "weight has dtype BFloat16 but input has dtype Half"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls(None, "cpu")))
+def test_bad_input_raises_a_clear_error(kernel, device, case):
+    call, message = _bad_calls(kernel, device)[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_python_level_argument_errors(kernel):
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        kernel.adaln(x, x, x, norm="group")
+    with pytest.raises(ValueError, match="pass out and residual_out together"):
+        kernel.fused_add_rms_norm(x, x, out=torch.empty_like(x))
