@@ -82,8 +82,7 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
     write_if_changed(gen_dir / "registration.h", generate.registration_header())
 
     includes = [f"-I{ABI_SHIM}", f"-I{gen_dir}", f"-I{cfg.root / 'torch-ext'}"]
-    for k in cfg.kernels_for(backend):
-        includes += [f"-I{cfg.root / d}" for d in k.include]
+    includes += list(dict.fromkeys(f"-I{cfg.root / d}" for k in cfg.kernels_for(backend) for d in k.include))
     for d in (*torch.include_dirs, python_include()):
         includes += ["-isystem", str(d)]
     defines = [f"-D{backend.upper()}_KERNEL", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.cxx11_abi)}",

@@ -1,11 +1,14 @@
 // Op schemas and their CPU / CUDA implementations. Each op comes as an out-variant
 // (`<op>_out`: outputs first, returns nothing) and a functional form that allocates its
 // outputs here in C++, so that a Python call costs one dispatch.
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include "registration.h"
 #include "torch_binding.h"
+
+#include <vector>
 
 namespace {
 
@@ -78,7 +81,57 @@ void gated_residual_adaln_out(Tensor& residual_out, Tensor& out, const Tensor& r
 }
 
 template <class B>
-void impl_ops(torch::Library& ops, c10::DeviceType device) {
+Tensor gelu(const Tensor& input, c10::string_view approximate) {
+  Tensor out = empty_rows_like(input, input.scalar_type());
+  ltx::gelu_out<B>(out, input, std::string(approximate));
+  return out;
+}
+
+template <class B>
+void gelu_out(Tensor& out, const Tensor& input, c10::string_view approximate) {
+  ltx::gelu_out<B>(out, input, std::string(approximate));
+}
+
+template <class B>
+Tensor gelu_mul(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  Tensor out = empty_rows_like(gate, gate.scalar_type());
+  ltx::gelu_mul_out<B>(out, gate, up, std::string(approximate));
+  return out;
+}
+
+template <class B>
+void gelu_mul_out(Tensor& out, const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  ltx::gelu_mul_out<B>(out, gate, up, std::string(approximate));
+}
+
+template <class B>
+Tensor geglu(const Tensor& input, c10::string_view approximate) {
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0,
+              "geglu: input's last dim must be even ([..., 2H]: value then gate), got sizes ", input.sizes());
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() /= 2;
+  Tensor out = at::empty(sizes, input.options());
+  ltx::geglu_out<B>(out, input, std::string(approximate));
+  return out;
+}
+
+template <class B>
+void geglu_out(Tensor& out, const Tensor& input, c10::string_view approximate) {
+  ltx::geglu_out<B>(out, input, std::string(approximate));
+}
+
+template <class B>
+void impl_activation_ops(torch::Library& ops, c10::DeviceType device) {
+  ops.impl("gelu", device, &gelu<B>);
+  ops.impl("gelu_out", device, &gelu_out<B>);
+  ops.impl("gelu_mul", device, &gelu_mul<B>);
+  ops.impl("gelu_mul_out", device, &gelu_mul_out<B>);
+  ops.impl("geglu", device, &geglu<B>);
+  ops.impl("geglu_out", device, &geglu_out<B>);
+}
+
+template <class B>
+void impl_norm_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("rms_norm", device, &rms_norm<B>);
   ops.impl("rms_norm_out", device, &ltx::rms_norm_out<B>);
   ops.impl("fused_add_rms_norm", device, &fused_add_rms_norm<B>);
@@ -111,10 +164,19 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("gated_residual_adaln_out(Tensor! residual_out, Tensor! out, Tensor residual, Tensor input, "
           "Tensor gate, Tensor scale, Tensor shift, float eps, str norm) -> ()");
 
+  ops.def("gelu(Tensor input, str approximate) -> Tensor");
+  ops.def("gelu_out(Tensor! out, Tensor input, str approximate) -> ()");
+  ops.def("gelu_mul(Tensor gate, Tensor up, str approximate) -> Tensor");
+  ops.def("gelu_mul_out(Tensor! out, Tensor gate, Tensor up, str approximate) -> ()");
+  ops.def("geglu(Tensor input, str approximate) -> Tensor");
+  ops.def("geglu_out(Tensor! out, Tensor input, str approximate) -> ()");
+
   // CPU twins are registered in every variant: a CUDA build of torch serves CPU tensors too.
-  impl_ops<ltx::CpuNorm>(ops, c10::DeviceType::CPU);
+  impl_norm_ops<ltx::CpuNorm>(ops, c10::DeviceType::CPU);
+  impl_activation_ops<ltx::CpuActivation>(ops, c10::DeviceType::CPU);
 #if defined(CUDA_KERNEL)
-  impl_ops<ltx::CudaNorm>(ops, c10::DeviceType::CUDA);
+  impl_norm_ops<ltx::CudaNorm>(ops, c10::DeviceType::CUDA);
+  impl_activation_ops<ltx::CudaActivation>(ops, c10::DeviceType::CUDA);
 #endif
 }
 

@@ -2,4 +2,5 @@
 // their kernels (kernel_src/<family>.h) so that kernels and binding share them.
 #pragma once
 
+#include "activation.h"
 #include "norm.h"

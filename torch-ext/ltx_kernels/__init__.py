@@ -2,6 +2,7 @@
 
 from . import layers
 from ._ops import ops
+from .activations import geglu, gelu, gelu_mul
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
 
 __all__ = [
@@ -9,6 +10,9 @@ __all__ = [
     "fused_add_rms_norm",
     "gated_residual",
     "gated_residual_adaln",
+    "geglu",
+    "gelu",
+    "gelu_mul",
     "layers",
     "ops",
     "rms_norm",
