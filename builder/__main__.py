@@ -92,8 +92,6 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
         [s for s in cfg.torch_src if s.endswith((".cpp", ".cc"))]
         + [s for k in cfg.kernels_for(backend) for s in k.compiled_sources]))
     caps = cfg.capabilities()
-    cuda_files = sum(s.endswith(".cu") for s in sources)
-    nvcc_threads = max(1, min(len(caps), workers // max(1, cuda_files)))
     cxx = find_cxx()
     jobs = []
     for src in sources:
@@ -103,8 +101,9 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
                   *defines, *extra, *includes, "-c", str(cfg.root / src), "-o", str(obj)]
         if src.endswith(".cu"):
             assert nvcc is not None
+            # One nvcc thread per arch; a fixed count keeps the command (and the cache) stable.
             cmd = [str(nvcc.path), f"-ccbin={cxx}", *gencode_flags(caps), "-Xptxas=-v", "-lineinfo",
-                   f"--threads={nvcc_threads}", "-Xcompiler=-fPIC", *common]
+                   f"--threads={len(caps)}", "-Xcompiler=-fPIC", *common]
             label = f"{src}  {arch_label(caps)}"
         else:
             cmd = [cxx, "-fPIC", "-Wall", "-Wno-unknown-pragmas", *common]

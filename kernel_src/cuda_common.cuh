@@ -44,6 +44,29 @@ __device__ __forceinline__ void store_vec(T* base, int vec_index, const Vec<T, N
   reinterpret_cast<Vec<T, N>*>(base)[vec_index] = v;
 }
 
+// N elements at p: one vector access when ALIGNED (p aligned to the Vec), else N loads.
+template <typename T, int N, bool ALIGNED>
+__device__ __forceinline__ Vec<T, N> load_n(const T* p) {
+  if constexpr (ALIGNED) {
+    return *reinterpret_cast<const Vec<T, N>*>(p);
+  } else {
+    Vec<T, N> v;
+#pragma unroll
+    for (int j = 0; j < N; ++j) v.v[j] = p[j];
+    return v;
+  }
+}
+
+template <typename T, int N, bool ALIGNED>
+__device__ __forceinline__ void store_n(T* p, const Vec<T, N>& v) {
+  if constexpr (ALIGNED) {
+    *reinterpret_cast<Vec<T, N>*>(p) = v;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = v.v[j];
+  }
+}
+
 // Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the
 // group gets the result.
 __device__ __forceinline__ float group_sum(float v, int width) {

@@ -121,6 +121,27 @@ void geglu_out(Tensor& out, const Tensor& input, c10::string_view approximate) {
 }
 
 template <class B>
+std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, bool interleaved,
+                                int64_t sequence_dim) {
+  Tensor q_out = at::empty_like(q);  // q's layout, as the hosts' elementwise math returns
+  Tensor k_out = at::empty_like(k);
+  ltx::rope_out<B>(q_out, k_out, q, k, cos, sin, interleaved, sequence_dim);
+  return {q_out, k_out};
+}
+
+template <class B>
+void rope_(Tensor& q, Tensor& k, const Tensor& cos, const Tensor& sin, bool interleaved, int64_t sequence_dim) {
+  ltx::rope_out<B>(q, k, q, k, cos, sin, interleaved, sequence_dim);
+}
+
+template <class B>
+void impl_rope_ops(torch::Library& ops, c10::DeviceType device) {
+  ops.impl("rope", device, &rope<B>);
+  ops.impl("rope_out", device, &ltx::rope_out<B>);
+  ops.impl("rope_", device, &rope_<B>);
+}
+
+template <class B>
 void impl_activation_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("gelu", device, &gelu<B>);
   ops.impl("gelu_out", device, &gelu_out<B>);
@@ -171,12 +192,19 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("geglu(Tensor input, str approximate) -> Tensor");
   ops.def("geglu_out(Tensor! out, Tensor input, str approximate) -> ()");
 
+  ops.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) -> (Tensor, Tensor)");
+  ops.def("rope_out(Tensor! q_out, Tensor! k_out, Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, "
+          "int sequence_dim) -> ()");
+  ops.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) -> ()");
+
   // CPU twins are registered in every variant: a CUDA build of torch serves CPU tensors too.
   impl_norm_ops<ltx::CpuNorm>(ops, c10::DeviceType::CPU);
   impl_activation_ops<ltx::CpuActivation>(ops, c10::DeviceType::CPU);
+  impl_rope_ops<ltx::CpuRope>(ops, c10::DeviceType::CPU);
 #if defined(CUDA_KERNEL)
   impl_norm_ops<ltx::CudaNorm>(ops, c10::DeviceType::CUDA);
   impl_activation_ops<ltx::CudaActivation>(ops, c10::DeviceType::CUDA);
+  impl_rope_ops<ltx::CudaRope>(ops, c10::DeviceType::CUDA);
 #endif
 }
 

@@ -4,3 +4,4 @@
 
 #include "activation.h"
 #include "norm.h"
+#include "rope.h"

@@ -4,6 +4,7 @@ from . import layers
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
+from .rope import rope_interleaved, rope_rotate_half
 
 __all__ = [
     "adaln",
@@ -16,4 +17,6 @@ __all__ = [
     "layers",
     "ops",
     "rms_norm",
+    "rope_interleaved",
+    "rope_rotate_half",
 ]

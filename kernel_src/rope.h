@@ -1,0 +1,137 @@
+// Rotary position embeddings for q and k in one launch, two pairings of channels:
+//   rotate-half (transformers' apply_rotary_pos_emb): channel i < R/2 pairs with i + R/2,
+//     out = x * cos + cat(-x2, x1) * sin;
+//   interleaved (diffusers' apply_rotary_emb, LTX-Video and FLUX): channels (2i, 2i+1),
+//     out[2i] = x[2i] cos[2i] - x[2i+1] sin[2i], out[2i+1] = x[2i+1] cos[2i+1] + x[2i] sin[2i+1].
+// Only the first R = cos.size(-1) channels rotate (partial rotary); the rest pass through.
+// fp32 math, one rounding to the input dtype.
+//
+// Layouts: q and k are [B, S, C] (LTX: one "head" of C channels), [B, H, S, D]
+// (transformers, FLUX) or [B, S, H, D] (FLUX, sequence_dim = 1), each with any strides but
+// a contiguous last dim (transposed views work); k may have fewer heads (GQA). cos and sin
+// are [S, R] or [B, S, R] in the input dtype or float32.
+#pragma once
+
+#include "common.h"
+
+namespace ltx {
+
+// One of q or k seen as [B, H, S, D] with element strides for b, h and s.
+struct RopeTensor {
+  void* out = nullptr;
+  const void* in = nullptr;
+  int64_t heads = 0;
+  int64_t in_b = 0, in_h = 0, in_s = 0;
+  int64_t out_b = 0, out_h = 0, out_s = 0;
+};
+
+struct RopeArgs {
+  at::ScalarType dtype = at::kFloat;
+  bool table_fp32 = false;  // cos/sin float32 with fp16/bf16 q and k
+  bool interleaved = false;
+  c10::Device device = c10::Device(c10::kCPU);
+  RopeTensor q, k;
+  const void* cos = nullptr;  // [B or 1, S, R]
+  const void* sin = nullptr;
+  int64_t table_b = 0, table_s = 0;  // element strides of cos and sin (0 when broadcast)
+  int64_t batch = 0, seq = 0, head_dim = 0, rotary_dim = 0;
+};
+
+void run_rope_cpu(const RopeArgs& args);
+#if defined(CUDA_KERNEL)
+void run_rope_cuda(const RopeArgs& args);
+#endif
+
+struct CpuRope {
+  static constexpr c10::DeviceType device = c10::kCPU;
+  static void run(const RopeArgs& a) { run_rope_cpu(a); }
+};
+#if defined(CUDA_KERNEL)
+struct CudaRope {
+  static constexpr c10::DeviceType device = c10::kCUDA;
+  static void run(const RopeArgs& a) { run_rope_cuda(a); }
+};
+#endif
+
+namespace rope_detail {
+
+// Sizes and strides of t as [B, H, S, D].
+struct Bhsd {
+  int64_t size[4];
+  int64_t stride[4];
+};
+
+inline Bhsd as_bhsd(const at::Tensor& t, int64_t sequence_dim, const char* op, const char* arg) {
+  TORCH_CHECK(t.dim() == 3 || t.dim() == 4, op, ": ", arg, " must be [B, S, C], [B, H, S, D] or [B, S, H, D], got sizes ",
+              t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", arg, " must be contiguous in its last dim, got strides ",
+              t.strides());
+  if (t.dim() == 3) return {{t.size(0), 1, t.size(1), t.size(2)}, {t.stride(0), 0, t.stride(1), 1}};
+  TORCH_CHECK(sequence_dim == 1 || sequence_dim == 2, op, ": sequence_dim must be 1 ([B, S, H, D]) or 2 ([B, H, S, D]), got ",
+              sequence_dim);
+  const int64_t s = sequence_dim, h = 3 - sequence_dim;
+  return {{t.size(0), t.size(h), t.size(s), t.size(3)}, {t.stride(0), t.stride(h), t.stride(s), 1}};
+}
+
+inline void fill(RopeTensor& r, const Bhsd& in, const Bhsd& out, const at::Tensor& in_t, at::Tensor& out_t) {
+  r.in = in_t.const_data_ptr();
+  r.out = out_t.mutable_data_ptr();
+  r.heads = in.size[1];
+  r.in_b = in.stride[0], r.in_h = in.stride[1], r.in_s = in.stride[2];
+  r.out_b = out.stride[0], r.out_h = out.stride[1], r.out_s = out.stride[2];
+}
+
+}  // namespace rope_detail
+
+// q_out, k_out = rope(q), rope(k); the outputs may be q and k themselves (in place).
+template <class Backend>
+void rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+              const at::Tensor& sin, bool interleaved, int64_t sequence_dim) {
+  using rope_detail::as_bhsd;
+  constexpr const char* op = "rope";
+  check_device(q, Backend::device, op, "q");
+  check_float_dtype(q, op, "q");
+  RopeArgs a;
+  a.dtype = q.scalar_type();
+  a.device = q.device();
+  a.interleaved = interleaved;
+  const auto qv = as_bhsd(q, sequence_dim, op, "q");
+  a.batch = qv.size[0], a.seq = qv.size[2], a.head_dim = qv.size[3];
+  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&q_out, "q_out"}, {&k_out, "k_out"}}) {
+    check_same_device(*t, q, op, arg, "q");
+    TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(), " but q has dtype ", a.dtype);
+  }
+  TORCH_CHECK(k.dim() == q.dim(), op, ": k has sizes ", k.sizes(), " but q has sizes ", q.sizes());
+  const auto kv = as_bhsd(k, sequence_dim, op, "k");
+  TORCH_CHECK(kv.size[0] == a.batch && kv.size[2] == a.seq && kv.size[3] == a.head_dim, op, ": k has sizes ", k.sizes(),
+              " but q has sizes ", q.sizes(), " (batch, sequence and head dim must agree; heads may differ)");
+  TORCH_CHECK(q_out.sizes() == q.sizes(), op, ": q_out has sizes ", q_out.sizes(), " but q has sizes ", q.sizes());
+  TORCH_CHECK(k_out.sizes() == k.sizes(), op, ": k_out has sizes ", k_out.sizes(), " but k has sizes ", k.sizes());
+  rope_detail::fill(a.q, qv, as_bhsd(q_out, sequence_dim, op, "q_out"), q, q_out);
+  rope_detail::fill(a.k, kv, as_bhsd(k_out, sequence_dim, op, "k_out"), k, k_out);
+
+  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&cos, "cos"}, {&sin, "sin"}}) {
+    check_same_device(*t, q, op, arg, "q");
+    TORCH_CHECK(t->scalar_type() == a.dtype || t->scalar_type() == at::kFloat, op, ": ", arg, " has dtype ",
+                t->scalar_type(), "; expected q's dtype (", a.dtype, ") or float32");
+    TORCH_CHECK(t->dim() == 2 || t->dim() == 3, op, ": ", arg, " must be [S, R] or [B, S, R], got sizes ", t->sizes());
+    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, op, ": ", arg, " must be contiguous in its last dim");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.scalar_type() == sin.scalar_type(), op,
+              ": cos and sin must share sizes, strides and dtype, got ", cos.sizes(), cos.strides(), " and ", sin.sizes(),
+              sin.strides());
+  a.table_fp32 = cos.scalar_type() == at::kFloat && a.dtype != at::kFloat;
+  const int64_t table_batch = cos.dim() == 3 ? cos.size(0) : 1;
+  TORCH_CHECK(cos.size(-2) == a.seq && (table_batch == a.batch || table_batch == 1), op, ": cos has sizes ",
+              cos.sizes(), "; expected [S, R] or [B, S, R] with B = ", a.batch, ", S = ", a.seq);
+  a.rotary_dim = cos.size(-1);
+  TORCH_CHECK(a.rotary_dim % 2 == 0 && a.rotary_dim > 0 && a.rotary_dim <= a.head_dim, op,
+              ": cos's last dim (the rotary dim) must be even and in [2, ", a.head_dim, "], got ", a.rotary_dim);
+  a.table_s = cos.stride(-2);
+  a.table_b = table_batch > 1 ? cos.stride(0) : 0;
+  a.cos = cos.const_data_ptr();
+  a.sin = sin.const_data_ptr();
+  if (a.batch * a.seq * a.head_dim > 0) Backend::run(a);
+}
+
+}  // namespace ltx

@@ -1,0 +1,61 @@
+// RoPE on the CPU: the twin of rope.cu, same fp32 formulas and one rounding; rows of q
+// and k spread over threads.
+#include <ATen/Parallel.h>
+
+#include "rope.h"
+
+namespace ltx {
+namespace {
+
+template <typename T, typename C>
+void rotate_rows(const RopeArgs& a, const RopeTensor& t, int64_t begin, int64_t end) {
+  const T* in_base = static_cast<const T*>(t.in);
+  T* out_base = static_cast<T*>(t.out);
+  const int64_t per_batch = t.heads * a.seq;
+  const int64_t half = a.rotary_dim / 2;
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t b = r / per_batch;
+    const int64_t h = (r - b * per_batch) / a.seq;
+    const int64_t s = r - b * per_batch - h * a.seq;
+    const T* in = in_base + b * t.in_b + h * t.in_h + s * t.in_s;
+    T* out = out_base + b * t.out_b + h * t.out_h + s * t.out_s;
+    const C* cos = static_cast<const C*>(a.cos) + b * a.table_b + s * a.table_s;
+    const C* sin = static_cast<const C*>(a.sin) + b * a.table_b + s * a.table_s;
+    auto f = [](auto v) { return static_cast<float>(v); };
+    if (a.interleaved) {
+      for (int64_t i = 0; i < a.rotary_dim; i += 2) {
+        const float x0 = f(in[i]), x1 = f(in[i + 1]);
+        out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * f(sin[i]));
+        out[i + 1] = static_cast<T>(x1 * f(cos[i + 1]) + x0 * f(sin[i + 1]));
+      }
+    } else {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = f(in[i]), x1 = f(in[i + half]);
+        out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * f(sin[i]));
+        out[i + half] = static_cast<T>(x1 * f(cos[i + half]) + x0 * f(sin[i + half]));
+      }
+    }
+    if (out != in) {
+      for (int64_t i = a.rotary_dim; i < a.head_dim; ++i) out[i] = in[i];
+    }
+  }
+}
+
+template <typename T, typename C>
+void run(const RopeArgs& a) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / a.head_dim);
+  for (const RopeTensor* t : {&a.q, &a.k}) {
+    at::parallel_for(0, a.batch * t->heads * a.seq, grain,
+                     [&](int64_t begin, int64_t end) { rotate_rows<T, C>(a, *t, begin, end); });
+  }
+}
+
+}  // namespace
+
+void run_rope_cpu(const RopeArgs& a) {
+  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "rope", [&] {
+    return a.table_fp32 ? run<scalar_t, float>(a) : run<scalar_t, scalar_t>(a);
+  });
+}
+
+}  // namespace ltx

@@ -1,0 +1,135 @@
+"""RoPE against fp64 references written as the host libraries write them: transformers'
+rotate_half (GQA, transposed views, partial rotary) and diffusers' interleaved form
+(LTX-Video [B, S, C] with fp32 [B, S, C] tables, FLUX per head with fp32 [S, D] tables)."""
+
+import pytest
+import torch
+
+from reference import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make(shape, dtype, device):
+    return torch.randn(shape, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def tables(batch, seq, dim, dtype, device, interleaved):
+    """cos/sin of real frequencies: cat(f, f) (rotate-half) or repeat_interleave (pairs)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    pos = torch.arange(seq, dtype=torch.float64)[:, None] + torch.arange(batch, dtype=torch.float64)[:, None, None]
+    f = pos * inv  # [B, S, dim / 2]
+    f = f.repeat_interleave(2, -1) if interleaved else torch.cat([f, f], -1)
+    return f.cos().to(device=device, dtype=dtype), f.sin().to(device=device, dtype=dtype)
+
+
+def rotate_half_ref(x, cos, sin):
+    """transformers: q [B, H, S, D], cos [B, S, R] -> unsqueeze(1); partial rotary."""
+    r = cos.shape[-1]
+    x64, c, s = x.double(), cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    rot, rest = x64[..., :r], x64[..., r:]
+    x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+    out = rot * c + torch.cat([-x2, x1], -1) * s
+    return torch.cat([out, rest], -1)
+
+
+def interleaved_ref(x, cos, sin):
+    """diffusers apply_rotary_emb (use_real, unbind -1) on [..., S, D] with cos broadcast."""
+    x64 = x.double()
+    real, imag = x64.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([-imag, real], -1).flatten(-2)
+    return x64 * cos.double() + rotated * sin.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
+    (1, 32, 8, 64, 128, 128), (2, 4, 4, 33, 64, 64), (2, 8, 2, 17, 128, 64), (1, 2, 1, 5, 80, 80), (3, 3, 1, 7, 6, 4),
+], ids=["gqa", "mha", "partial", "d80", "odd_tiny"])
+def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d, rotary, dtype):
+    # Transposed views, as attention modules make them: [B, S, H, D] memory, [B, H, S, D] view.
+    q = make((batch, seq, hq, d), dtype, device).transpose(1, 2)
+    k = make((batch, seq, hkv, d), dtype, device).transpose(1, 2)
+    cos, sin = tables(batch, seq, rotary, dtype, device, interleaved=False)
+    q_out, k_out = kernel.rope_rotate_half(q, k, cos, sin)
+    assert q_out.shape == q.shape and q_out.stride() == q.stride(), "the output keeps q's layout"
+    assert_close(q_out, rotate_half_ref(q, cos, sin), dtype, roundings=2)
+    assert_close(k_out, rotate_half_ref(k, cos, sin), dtype, roundings=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotate_half_shared_tables_and_in_place(kernel, device, dtype):
+    q, k = make((2, 4, 9, 64), dtype, device), make((2, 2, 9, 64), dtype, device)
+    cos, sin = tables(1, 9, 64, dtype, device, interleaved=False)
+    cos, sin = cos[0], sin[0]  # [S, R]
+    q_ref, k_ref = rotate_half_ref(q, cos[None], sin[None]), rotate_half_ref(k, cos[None], sin[None])
+    q_out, k_out = kernel.rope_rotate_half(q, k, cos, sin, inplace=True)
+    assert q_out is q and k_out is k
+    assert_close(q, q_ref, dtype, roundings=2)
+    assert_close(k, k_ref, dtype, roundings=2)
+
+
+@pytest.mark.parametrize("table_dtype", ["fp32", "model"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 5, 64), (2, 3, 18)], ids=["ltx", "small", "odd"])
+def test_interleaved_ltx_layout(kernel, device, batch, seq, c, dtype, table_dtype):
+    """LTX: [B, S, C] q and k with [B, S, C] tables whose first C % 6 channels are padding."""
+    tdtype = torch.float32 if table_dtype == "fp32" else dtype
+    q, k = make((batch, seq, c), dtype, device), make((batch, seq, c), dtype, device)
+    cos, sin = tables(batch, seq, c, tdtype, device, interleaved=True)
+    pad = c % 6
+    cos[..., :pad], sin[..., :pad] = 1, 0
+    q_out, k_out = kernel.rope_interleaved(q, k, cos, sin)
+    assert_close(q_out, interleaved_ref(q, cos, sin), dtype, roundings=2)
+    assert_close(k_out, interleaved_ref(k, cos, sin), dtype, roundings=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sequence_dim", [1, 2])
+def test_interleaved_flux_layout(kernel, device, sequence_dim, dtype):
+    """FLUX: per head on [B, S, H, D] or [B, H, S, D], fp32 [S, D] tables."""
+    b, s, h, d = 2, 40, 6, 128
+    shape = (b, s, h, d) if sequence_dim == 1 else (b, h, s, d)
+    q, k = make(shape, dtype, device), make(shape, dtype, device)
+    cos, sin = tables(1, s, d, torch.float32, device, interleaved=True)
+    cos, sin = cos[0], sin[0]
+    q_out, k_out = kernel.rope_interleaved(q, k, cos, sin, sequence_dim=sequence_dim)
+    c, sn = (cos[:, None], sin[:, None]) if sequence_dim == 1 else (cos, sin)
+    assert_close(q_out, interleaved_ref(q, c, sn), dtype, roundings=2)
+    assert_close(k_out, interleaved_ref(k, c, sn), dtype, roundings=2)
+
+
+def test_misaligned_views_take_the_scalar_path(kernel, device):
+    buf = make((2 * 3 * 10 * 64 + 1,), torch.bfloat16, device)
+    q = buf[1:].view(2, 3, 10, 64)
+    k = make((2, 1, 10, 64), torch.bfloat16, device)
+    cos, sin = tables(2, 10, 64, torch.bfloat16, device, interleaved=False)
+    q_out, _ = kernel.rope_rotate_half(q, k, cos, sin)
+    assert_close(q_out, rotate_half_ref(q, cos, sin), torch.bfloat16, roundings=2)
+    ci, si = tables(2, 10, 64, torch.float32, device, interleaved=True)
+    q_out, _ = kernel.rope_interleaved(q, k, ci, si)
+    assert_close(q_out, interleaved_ref(q, ci[:, None], si[:, None]), torch.bfloat16, roundings=2)
+
+
+def _bad_calls(kr, device):
+    f16 = dict(dtype=torch.float16, device=device)
+    q, k = torch.randn(1, 4, 8, 64, **f16), torch.randn(1, 2, 8, 64, **f16)
+    cos = torch.randn(8, 64, **f16)
+    return {
+        "odd_rotary": (lambda: kr.rope_rotate_half(q, k, cos[:, :63], cos[:, :63]), "must be even"),
+        "rotary_too_big": (lambda: kr.rope_rotate_half(q[..., :32], k[..., :32], cos, cos), "must be even and in"),
+        "seq_mismatch": (lambda: kr.rope_rotate_half(q, k, cos[:4], cos[:4]), "expected \\[S, R\\] or \\[B, S, R\\]"),
+        "k_head_dim": (lambda: kr.rope_rotate_half(q, k[..., :32], cos, cos), "head dim must agree"),
+        "cos_sin_differ": (lambda: kr.rope_rotate_half(q, k, cos, cos.float()), "cos and sin must share"),
+        "table_dtype": (lambda: kr.rope_rotate_half(q, k, cos.double(), cos.double()), "cos has dtype Double"),
+        "q_2d": (lambda: kr.rope_rotate_half(q[0, 0], k[0, 0], cos, cos), "must be \\[B, S, C\\]"),
+        "sequence_dim": (lambda: kr.rope_interleaved(q, k, cos, cos, sequence_dim=3), "sequence_dim must be 1"),
+        "k_dtype": (lambda: kr.rope_rotate_half(q, k.float(), cos, cos), "k has dtype Float but q has dtype Half"),
+        "last_dim_stride": (lambda: kr.rope_rotate_half(q.transpose(2, 3), k, cos, cos), "contiguous in its last dim"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls(None, "cpu")))
+def test_bad_input_raises_a_clear_error(kernel, device, case):
+    call, message = _bad_calls(kernel, device)[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
