@@ -90,6 +90,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return group_sum(v, 32);
 }
 
+// Sum over one row's threads: a lane group of up to a warp, or the whole block.
+__device__ __forceinline__ float row_sum(float v, int threads_per_row, float* scratch) {
+  return threads_per_row > 32 ? block_sum(v, scratch) : group_sum(v, threads_per_row);
+}
+
+// Launch shape of a row-reduction kernel: threads_per_row is a power of two covering the
+// row with at most `per_thread` vectors each (up to max_threads). Rows of more than a warp
+// get a block each (row_sum reduces the whole block); rows of a warp or less share
+// 128-thread blocks and reduce with shuffles inside their lane group.
+struct RowLaunch {
+  int threads_per_row;
+  int block;
+};
+
+inline RowLaunch row_launch(int64_t vecs_per_row, int per_thread, int max_threads) {
+  const int64_t wanted = (vecs_per_row + per_thread - 1) / per_thread;
+  int tpr = 1;
+  while (tpr < wanted && tpr < max_threads) tpr *= 2;
+  return {tpr, tpr > 32 ? tpr : 128};
+}
+
 inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
 
 }  // namespace ltx

@@ -14,7 +14,6 @@ namespace {
 // 1024-thread block under its 64 registers per thread. Rows of more than
 // max_block * 4 vectors re-read the rest, which then comes from L2.
 constexpr int kCachedVecs = 4;
-constexpr int kSharedBlock = 128;  // block of rows that each fit in a warp
 
 // What an instantiation fuses around the norm (unused operands compile away):
 // RESIDUAL, a residual (+ gate) add before the norm with the sum stored; MODULATE,
@@ -40,10 +39,6 @@ struct NormParams {
   float eps, inv_cols, weight_offset;
   bool cast_before_weight;
 };
-
-__device__ __forceinline__ float row_sum(float v, int threads_per_row, float* scratch) {
-  return threads_per_row > 32 ? block_sum(v, scratch) : group_sum(v, threads_per_row);
-}
 
 template <typename T, typename W, typename O, int VEC, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(max_block(RESIDUAL, MODULATE)) norm_kernel(const NormParams<T, W, O> p, int threads_per_row) {
@@ -162,26 +157,6 @@ __global__ void __launch_bounds__(max_block(RESIDUAL, MODULATE)) norm_kernel(con
   }
 }
 
-int next_pow2(int64_t n, int cap) {
-  int p = 1;
-  while (p < n && p < cap) p *= 2;
-  return p;
-}
-
-// Launch shape: threads_per_row is a power of two covering the row with at most
-// kCachedVecs vectors each (up to max_block threads). Rows of more than a warp get a block
-// each (block_sum reduces the whole block); rows of a warp or less share 128-thread
-// blocks and reduce with shuffles inside their lane group.
-struct NormLaunch {
-  int threads_per_row;
-  int block;
-};
-
-NormLaunch norm_launch(int64_t nvec, int max_threads) {
-  const int tpr = next_pow2((nvec + kCachedVecs - 1) / kCachedVecs, max_threads);
-  return {tpr, tpr > 32 ? tpr : kSharedBlock};
-}
-
 template <typename T, typename W, typename O>
 NormParams<T, W, O> make_params(const NormArgs& a) {
   return {static_cast<O*>(a.out),
@@ -221,7 +196,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   const bool vector = vectorizable<T, W, O, V>(a);
   const int vec = vector ? V : 1;
-  const NormLaunch cfg = norm_launch(a.cols / vec, max_block(RESIDUAL, MODULATE));
+  const RowLaunch cfg = row_launch(a.cols / vec, kCachedVecs, max_block(RESIDUAL, MODULATE));
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   const NormParams<T, W, O> p = make_params<T, W, O>(a);

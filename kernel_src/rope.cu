@@ -129,7 +129,118 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   check_launch();
 }
 
+template <typename T, typename C>
+struct QkNormRopeParams {
+  T* q_out;
+  T* k_out;
+  const T* q;  // [B * S rows, C]
+  const T* k;
+  const T* q_weight;  // [C]
+  const T* k_weight;
+  const C* cos;  // [B or 1, S, C]
+  const C* sin;
+  int64_t q_stride, k_stride, q_out_stride, k_out_stride, table_b, table_s;
+  int64_t rows, seq;  // rows = B * S per tensor
+  int channels;
+  float eps, inv_channels;
+};
+
+constexpr int kQkCachedVecs = 4;  // the whole row stays in registers (C bounded in rope.h)
+constexpr int kQkMaxBlock = 512;  // fp32 tables need more than the 64 registers of 1024 threads
+
+// One (tensor, b, s) row per threads_per_row threads: RMSNorm in fp32, weight, rounding to
+// T (what torch.nn.RMSNorm returns), then interleaved RoPE in fp32 and a second rounding.
+template <typename T, typename C, int VEC>
+__global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormRopeParams<T, C> p, int threads_per_row) {
+  __shared__ float scratch[32];
+  const int rows_per_block = blockDim.x / threads_per_row;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
+  const int t = threadIdx.x % threads_per_row;
+  const bool active = row < 2 * p.rows;  // inactive threads still join the reduction
+  const bool is_q = row < p.rows;
+  const int64_t r = active ? (is_q ? row : row - p.rows) : 0;
+  const T* x = is_q ? p.q + r * p.q_stride : p.k + r * p.k_stride;
+  T* y = is_q ? p.q_out + r * p.q_out_stride : p.k_out + r * p.k_out_stride;
+  const T* w = is_q ? p.q_weight : p.k_weight;
+  const int64_t b = r / p.seq;
+  const C* cos = p.cos + b * p.table_b + (r - b * p.seq) * p.table_s;
+  const C* sin = p.sin + b * p.table_b + (r - b * p.seq) * p.table_s;
+  const int nvec = p.channels / VEC;
+
+  Vec<T, VEC> cached[kQkCachedVecs];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < kQkCachedVecs; ++k) {
+    const int i = t + k * threads_per_row;
+    if (active && i < nvec) {
+      cached[k] = load_vec<T, VEC>(x, i);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sum_sq += to_float(cached[k].v[j]) * to_float(cached[k].v[j]);
+    }
+  }
+  sum_sq = row_sum(sum_sq, threads_per_row, scratch);
+  if (!active) return;
+  const float rstd = rsqrtf(sum_sq * p.inv_channels + p.eps);
+#pragma unroll
+  for (int k = 0; k < kQkCachedVecs; ++k) {
+    const int i = t + k * threads_per_row;
+    if (i >= nvec) continue;
+    const Vec<T, VEC> wv = load_vec<T, VEC>(w, i);
+    const Vec<C, VEC> c = load_vec<C, VEC>(cos, i);
+    const Vec<C, VEC> sn = load_vec<C, VEC>(sin, i);
+    Vec<T, VEC> out;
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) {
+      const float a = to_float(from_float<T>(to_float(cached[k].v[j]) * rstd * to_float(wv.v[j])));
+      const float e = to_float(from_float<T>(to_float(cached[k].v[j + 1]) * rstd * to_float(wv.v[j + 1])));
+      out.v[j] = from_float<T>(a * to_float(c.v[j]) - e * to_float(sn.v[j]));
+      out.v[j + 1] = from_float<T>(e * to_float(c.v[j + 1]) + a * to_float(sn.v[j + 1]));
+    }
+    store_vec<T, VEC>(y, i, out);
+  }
+}
+
+template <typename T, typename C>
+void launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec16<T>;
+  bool vector = a.channels % V == 0 && aligned_to(a.cos, V * sizeof(C)) && aligned_to(a.sin, V * sizeof(C)) &&
+                a.table_b % V == 0 && a.table_s % V == 0;
+  for (const void* ptr : {a.q, a.k, a.q_weight, a.k_weight, static_cast<const void*>(a.q_out),
+                          static_cast<const void*>(a.k_out)}) {
+    vector = vector && aligned_to(ptr, 16);
+  }
+  for (int64_t stride : {a.q_stride, a.k_stride, a.q_out_stride, a.k_out_stride}) vector = vector && stride % V == 0;
+  // The scalar path works on pairs: 2-element vectors of 2-element alignment.
+  const int vec = vector ? V : 2;
+  const RowLaunch cfg = row_launch(a.channels / vec, kQkCachedVecs, kQkMaxBlock);
+  TORCH_CHECK(static_cast<int64_t>(cfg.threads_per_row) * kQkCachedVecs * vec >= a.channels,
+              "qk_norm_rope: C = ", a.channels, " is too wide for the kernel's registers with these alignments");
+  const QkNormRopeParams<T, C> p{static_cast<T*>(a.q_out), static_cast<T*>(a.k_out), static_cast<const T*>(a.q),
+                                 static_cast<const T*>(a.k), static_cast<const T*>(a.q_weight),
+                                 static_cast<const T*>(a.k_weight), static_cast<const C*>(a.cos),
+                                 static_cast<const C*>(a.sin), a.q_stride, a.k_stride, a.q_out_stride,
+                                 a.k_out_stride, a.table_b, a.table_s, a.batch * a.seq, a.seq,
+                                 static_cast<int>(a.channels), a.eps, a.inv_channels};
+  const int rows_per_block = cfg.block / cfg.threads_per_row;
+  const int64_t blocks = (2 * p.rows + rows_per_block - 1) / rows_per_block;
+  if (vector) {
+    qk_norm_rope_kernel<T, C, V><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+  } else {
+    qk_norm_rope_kernel<T, C, 2><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+  }
+  check_launch();
+}
+
 }  // namespace
+
+void run_qk_norm_rope_cuda(const QkNormRopeArgs& a) {
+  const c10::cuda::CUDAGuard guard(a.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
+  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "qk_norm_rope", [&] {
+    return a.table_fp32 ? launch_qk_norm_rope<scalar_t, float>(a, stream)
+                        : launch_qk_norm_rope<scalar_t, scalar_t>(a, stream);
+  });
+}
 
 void run_rope_cuda(const RopeArgs& a) {
   const c10::cuda::CUDAGuard guard(a.device);

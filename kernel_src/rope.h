@@ -14,6 +14,8 @@
 
 #include "common.h"
 
+#include <limits>
+
 namespace ltx {
 
 // One of q or k seen as [B, H, S, D] with element strides for b, h and s.
@@ -37,19 +39,48 @@ struct RopeArgs {
   int64_t batch = 0, seq = 0, head_dim = 0, rotary_dim = 0;
 };
 
+// The LTX-Video attention prologue: q and k [B, S, C] (to_q / to_k outputs) each
+// RMS-normalised over all C channels with their own weight (torch.nn.RMSNorm, rounded to
+// the input dtype as that module returns), then rotated with interleaved RoPE.
+struct QkNormRopeArgs {
+  at::ScalarType dtype = at::kFloat;
+  bool table_fp32 = false;
+  c10::Device device = c10::Device(c10::kCPU);
+  void* q_out = nullptr;
+  void* k_out = nullptr;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* q_weight = nullptr;  // [C]
+  const void* k_weight = nullptr;
+  const void* cos = nullptr;  // [B or 1, S, C]
+  const void* sin = nullptr;
+  int64_t q_stride = 0, k_stride = 0, q_out_stride = 0, k_out_stride = 0;  // between (b, s) rows
+  int64_t table_b = 0, table_s = 0;
+  int64_t batch = 0, seq = 0, channels = 0;
+  float eps = 0.f, inv_channels = 0.f;
+};
+
 void run_rope_cpu(const RopeArgs& args);
+void run_qk_norm_rope_cpu(const QkNormRopeArgs& args);
 #if defined(CUDA_KERNEL)
 void run_rope_cuda(const RopeArgs& args);
+void run_qk_norm_rope_cuda(const QkNormRopeArgs& args);
+// Widest row the fused kernel keeps in registers: 512 threads x 4 vectors of 16 bytes.
+constexpr int64_t kQkNormRopeMaxRowBytes = 512 * 4 * 16;
 #endif
 
 struct CpuRope {
   static constexpr c10::DeviceType device = c10::kCPU;
+  static constexpr int64_t max_row_bytes = std::numeric_limits<int64_t>::max();
   static void run(const RopeArgs& a) { run_rope_cpu(a); }
+  static void run(const QkNormRopeArgs& a) { run_qk_norm_rope_cpu(a); }
 };
 #if defined(CUDA_KERNEL)
 struct CudaRope {
   static constexpr c10::DeviceType device = c10::kCUDA;
+  static constexpr int64_t max_row_bytes = kQkNormRopeMaxRowBytes;
   static void run(const RopeArgs& a) { run_rope_cuda(a); }
+  static void run(const QkNormRopeArgs& a) { run_qk_norm_rope_cuda(a); }
 };
 #endif
 
@@ -81,6 +112,31 @@ inline void fill(RopeTensor& r, const Bhsd& in, const Bhsd& out, const at::Tenso
   r.out_b = out.stride[0], r.out_h = out.stride[1], r.out_s = out.stride[2];
 }
 
+struct Table {
+  bool fp32;  // float32 tables with fp16/bf16 q and k
+  int64_t batch_stride, seq_stride, dim;
+};
+
+// cos and sin: [S, R] or [B, S, R] of x's dtype or float32, one layout for both.
+inline Table check_tables(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& x, int64_t batch, int64_t seq,
+                          const char* op) {
+  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&cos, "cos"}, {&sin, "sin"}}) {
+    check_same_device(*t, x, op, arg, "q");
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() || t->scalar_type() == at::kFloat, op, ": ", arg, " has dtype ",
+                t->scalar_type(), "; expected q's dtype (", x.scalar_type(), ") or float32");
+    TORCH_CHECK(t->dim() == 2 || t->dim() == 3, op, ": ", arg, " must be [S, R] or [B, S, R], got sizes ", t->sizes());
+    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, op, ": ", arg, " must be contiguous in its last dim");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.scalar_type() == sin.scalar_type(), op,
+              ": cos and sin must share sizes, strides and dtype, got ", cos.sizes(), cos.strides(), " and ", sin.sizes(),
+              sin.strides());
+  const int64_t table_batch = cos.dim() == 3 ? cos.size(0) : 1;
+  TORCH_CHECK(cos.size(-2) == seq && (table_batch == batch || table_batch == 1), op, ": cos has sizes ", cos.sizes(),
+              "; expected [S, R] or [B, S, R] with B = ", batch, ", S = ", seq);
+  return {cos.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat, table_batch > 1 ? cos.stride(0) : 0,
+          cos.stride(-2), cos.size(-1)};
+}
+
 }  // namespace rope_detail
 
 // q_out, k_out = rope(q), rope(k); the outputs may be q and k themselves (in place).
@@ -110,28 +166,62 @@ void rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const a
   rope_detail::fill(a.q, qv, as_bhsd(q_out, sequence_dim, op, "q_out"), q, q_out);
   rope_detail::fill(a.k, kv, as_bhsd(k_out, sequence_dim, op, "k_out"), k, k_out);
 
-  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&cos, "cos"}, {&sin, "sin"}}) {
-    check_same_device(*t, q, op, arg, "q");
-    TORCH_CHECK(t->scalar_type() == a.dtype || t->scalar_type() == at::kFloat, op, ": ", arg, " has dtype ",
-                t->scalar_type(), "; expected q's dtype (", a.dtype, ") or float32");
-    TORCH_CHECK(t->dim() == 2 || t->dim() == 3, op, ": ", arg, " must be [S, R] or [B, S, R], got sizes ", t->sizes());
-    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, op, ": ", arg, " must be contiguous in its last dim");
-  }
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.scalar_type() == sin.scalar_type(), op,
-              ": cos and sin must share sizes, strides and dtype, got ", cos.sizes(), cos.strides(), " and ", sin.sizes(),
-              sin.strides());
-  a.table_fp32 = cos.scalar_type() == at::kFloat && a.dtype != at::kFloat;
-  const int64_t table_batch = cos.dim() == 3 ? cos.size(0) : 1;
-  TORCH_CHECK(cos.size(-2) == a.seq && (table_batch == a.batch || table_batch == 1), op, ": cos has sizes ",
-              cos.sizes(), "; expected [S, R] or [B, S, R] with B = ", a.batch, ", S = ", a.seq);
-  a.rotary_dim = cos.size(-1);
+  const rope_detail::Table table = rope_detail::check_tables(cos, sin, q, a.batch, a.seq, op);
+  a.table_fp32 = table.fp32;
+  a.table_b = table.batch_stride;
+  a.table_s = table.seq_stride;
+  a.rotary_dim = table.dim;
   TORCH_CHECK(a.rotary_dim % 2 == 0 && a.rotary_dim > 0 && a.rotary_dim <= a.head_dim, op,
               ": cos's last dim (the rotary dim) must be even and in [2, ", a.head_dim, "], got ", a.rotary_dim);
-  a.table_s = cos.stride(-2);
-  a.table_b = table_batch > 1 ? cos.stride(0) : 0;
   a.cos = cos.const_data_ptr();
   a.sin = sin.const_data_ptr();
   if (a.batch * a.seq * a.head_dim > 0) Backend::run(a);
+}
+
+// q_out, k_out = rope(rms_norm(q, q_weight)), rope(rms_norm(k, k_weight)), interleaved;
+// q, k [B, S, C] with (b, s) rows of one stride each; the outputs may be q and k.
+template <class Backend>
+void qk_norm_rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& q_weight, const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin,
+                      double eps) {
+  constexpr const char* op = "qk_norm_rope";
+  check_device(q, Backend::device, op, "q");
+  check_float_dtype(q, op, "q");
+  TORCH_CHECK(q.dim() == 3, op, ": q must be [B, S, C], got sizes ", q.sizes());
+  QkNormRopeArgs a;
+  a.dtype = q.scalar_type();
+  a.device = q.device();
+  a.batch = q.size(0), a.seq = q.size(1), a.channels = q.size(2);
+  TORCH_CHECK(a.channels % 2 == 0 && a.channels * c10::elementSize(a.dtype) <= Backend::max_row_bytes, op,
+              ": C must be even and at most ", Backend::max_row_bytes / c10::elementSize(a.dtype), " for ", a.dtype,
+              ", got ", a.channels);
+  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&q_out, "q_out"}, {&k_out, "k_out"}}) {
+    check_same_device(*t, q, op, arg, "q");
+    TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(), " but q has dtype ", a.dtype);
+    TORCH_CHECK(t->sizes() == q.sizes(), op, ": ", arg, " has sizes ", t->sizes(), " but q has sizes ", q.sizes());
+  }
+  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&q_weight, "q_weight"}, {&k_weight, "k_weight"}}) {
+    check_same_device(*t, q, op, arg, "q");
+    TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(), " but q has dtype ", a.dtype);
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == a.channels && (t->stride(0) == 1 || a.channels == 1), op, ": ", arg,
+                " must be a contiguous [", a.channels, "], got sizes ", t->sizes());
+  }
+  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+  const rope_detail::Table table = rope_detail::check_tables(cos, sin, q, a.batch, a.seq, op);
+  TORCH_CHECK(table.dim == a.channels, op, ": cos's last dim must be C = ", a.channels, ", got ", table.dim);
+  a.table_fp32 = table.fp32;
+  a.table_b = table.batch_stride;
+  a.table_s = table.seq_stride;
+  a.q = q.const_data_ptr(), a.k = k.const_data_ptr();
+  a.q_out = q_out.mutable_data_ptr(), a.k_out = k_out.mutable_data_ptr();
+  a.q_weight = q_weight.const_data_ptr(), a.k_weight = k_weight.const_data_ptr();
+  a.cos = cos.const_data_ptr(), a.sin = sin.const_data_ptr();
+  a.q_stride = row_view(q, op, "q").row_stride, a.k_stride = row_view(k, op, "k").row_stride;
+  a.q_out_stride = row_view(q_out, op, "q_out").row_stride;
+  a.k_out_stride = row_view(k_out, op, "k_out").row_stride;
+  a.eps = static_cast<float>(eps);
+  a.inv_channels = 1.0f / static_cast<float>(a.channels);
+  if (a.batch * a.seq > 0 && a.channels > 0) Backend::run(a);
 }
 
 }  // namespace ltx

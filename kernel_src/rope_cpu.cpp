@@ -4,6 +4,9 @@
 
 #include "rope.h"
 
+#include <cmath>
+#include <vector>
+
 namespace ltx {
 namespace {
 
@@ -50,7 +53,47 @@ void run(const RopeArgs& a) {
   }
 }
 
+template <typename T, typename C>
+void qk_norm_rope_rows(const QkNormRopeArgs& a, bool is_q, int64_t begin, int64_t end) {
+  const int64_t n = a.channels;
+  std::vector<float> normed(n);
+  for (int64_t r = begin; r < end; ++r) {
+    const T* x = static_cast<const T*>(is_q ? a.q : a.k) + r * (is_q ? a.q_stride : a.k_stride);
+    T* y = static_cast<T*>(is_q ? a.q_out : a.k_out) + r * (is_q ? a.q_out_stride : a.k_out_stride);
+    const T* w = static_cast<const T*>(is_q ? a.q_weight : a.k_weight);
+    const int64_t b = r / a.seq;
+    const C* cos = static_cast<const C*>(a.cos) + b * a.table_b + (r - b * a.seq) * a.table_s;
+    const C* sin = static_cast<const C*>(a.sin) + b * a.table_b + (r - b * a.seq) * a.table_s;
+    float sum_sq = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum_sq += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+    const float rstd = 1.f / std::sqrt(sum_sq * a.inv_channels + a.eps);
+    for (int64_t i = 0; i < n; ++i) {
+      normed[i] = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * rstd * static_cast<float>(w[i])));
+    }
+    for (int64_t i = 0; i < n; i += 2) {
+      const float x0 = normed[i], x1 = normed[i + 1];
+      y[i] = static_cast<T>(x0 * static_cast<float>(cos[i]) - x1 * static_cast<float>(sin[i]));
+      y[i + 1] = static_cast<T>(x1 * static_cast<float>(cos[i + 1]) + x0 * static_cast<float>(sin[i + 1]));
+    }
+  }
+}
+
+template <typename T, typename C>
+void run_qk_norm_rope(const QkNormRopeArgs& a) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / a.channels);
+  for (bool is_q : {true, false}) {
+    at::parallel_for(0, a.batch * a.seq, grain,
+                     [&](int64_t begin, int64_t end) { qk_norm_rope_rows<T, C>(a, is_q, begin, end); });
+  }
+}
+
 }  // namespace
+
+void run_qk_norm_rope_cpu(const QkNormRopeArgs& a) {
+  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "qk_norm_rope", [&] {
+    return a.table_fp32 ? run_qk_norm_rope<scalar_t, float>(a) : run_qk_norm_rope<scalar_t, scalar_t>(a);
+  });
+}
 
 void run_rope_cpu(const RopeArgs& a) {
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "rope", [&] {

@@ -5,7 +5,7 @@ rotate_half (GQA, transposed views, partial rotary) and diffusers' interleaved f
 import pytest
 import torch
 
-from reference import assert_close
+from reference import TOLERANCE, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -133,3 +133,52 @@ def test_bad_input_raises_a_clear_error(kernel, device, case):
     call, message = _bad_calls(kernel, device)[case]
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 3, 64), (2, 5, 1000)], ids=["ltx", "small", "c1000"])
+def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dtype):
+    """norm_q / norm_k (torch.nn.RMSNorm over C, eps 1e-5, output rounded), then the
+    interleaved RoPE with fp32 [B, S, C] tables."""
+    q, k = make((batch, seq, c), dtype, device), make((batch, seq, c), dtype, device)
+    wq, wk = make((c,), dtype, device), make((c,), dtype, device)
+    cos, sin = tables(batch, seq, c, torch.float32, device, interleaved=True)
+    q_out, k_out = kernel.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5)
+    for x, w, out in ((q, wq, q_out), (k, wk, k_out)):
+        normed = torch.nn.functional.rms_norm(x.double(), (c,), w.double(), 1e-5).to(dtype)
+        # The normed value is rounded before the rotation (as the host does); where the
+        # two rotation terms cancel, a tie rounded the other way shows as an absolute error
+        # of one ulp of |normed| (up to ~4): atol covers it.
+        assert_close(out, interleaved_ref(normed, cos, sin), dtype, roundings=3, atol=4 * TOLERANCE[dtype]["rtol"])
+
+
+def test_qk_norm_rope_from_a_fused_qkv_projection_in_place(kernel, device):
+    b, s, c = 2, 9, 256
+    qkv = make((b, s, 3 * c), torch.bfloat16, device)
+    q, k = qkv[..., :c], qkv[..., c:2 * c]
+    w = make((c,), torch.bfloat16, device)
+    cos, sin = tables(1, s, c, torch.float32, device, interleaved=True)
+    cos, sin = cos[0], sin[0]  # [S, C]
+    expected = [interleaved_ref(torch.nn.functional.rms_norm(x.double(), (c,), w.double(), 1e-5).to(torch.bfloat16),
+                                cos, sin) for x in (q, k)]
+    v_before = qkv[..., 2 * c:].clone()
+    kernel.qk_norm_rope(q, k, w, w, cos, sin, 1e-5, out=(q, k))
+    atol = 4 * TOLERANCE[torch.bfloat16]["rtol"]  # see test_qk_norm_rope_matches_the_ltx_prologue
+    assert_close(q, expected[0], torch.bfloat16, roundings=3, atol=atol)
+    assert_close(k, expected[1], torch.bfloat16, roundings=3, atol=atol)
+    assert torch.equal(qkv[..., 2 * c:], v_before), "v untouched"
+
+
+def test_qk_norm_rope_bad_input(kernel, device):
+    f16 = dict(dtype=torch.float16, device=device)
+    q = torch.randn(1, 4, 64, **f16)
+    w = torch.ones(64, **f16)
+    cos = torch.ones(4, 64, dtype=torch.float32, device=device)
+    with pytest.raises(RuntimeError, match="q must be \\[B, S, C\\]"):
+        kernel.qk_norm_rope(q[0], q[0], w, w, cos, cos)
+    with pytest.raises(RuntimeError, match="k_weight must be a contiguous \\[64\\]"):
+        kernel.qk_norm_rope(q, q, w, w[:32], cos, cos)
+    with pytest.raises(RuntimeError, match="cos's last dim must be C = 64"):
+        kernel.qk_norm_rope(q, q, w, w, cos[:, :32], cos[:, :32])
+    with pytest.raises(RuntimeError, match="C must be even"):
+        kernel.qk_norm_rope(q[..., :63], q[..., :63], w[:63], w[:63], cos[:, :63], cos[:, :63])

@@ -135,7 +135,18 @@ void rope_(Tensor& q, Tensor& k, const Tensor& cos, const Tensor& sin, bool inte
 }
 
 template <class B>
+std::tuple<Tensor, Tensor> qk_norm_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight, const Tensor& k_weight,
+                                        const Tensor& cos, const Tensor& sin, double eps) {
+  Tensor q_out = empty_rows_like(q, q.scalar_type());
+  Tensor k_out = empty_rows_like(k, k.scalar_type());
+  ltx::qk_norm_rope_out<B>(q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps);
+  return {q_out, k_out};
+}
+
+template <class B>
 void impl_rope_ops(torch::Library& ops, c10::DeviceType device) {
+  ops.impl("qk_norm_rope", device, &qk_norm_rope<B>);
+  ops.impl("qk_norm_rope_out", device, &ltx::qk_norm_rope_out<B>);
   ops.impl("rope", device, &rope<B>);
   ops.impl("rope_out", device, &ltx::rope_out<B>);
   ops.impl("rope_", device, &rope_<B>);
@@ -195,6 +206,10 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) -> (Tensor, Tensor)");
   ops.def("rope_out(Tensor! q_out, Tensor! k_out, Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, "
           "int sequence_dim) -> ()");
+  ops.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps) "
+          "-> (Tensor, Tensor)");
+  ops.def("qk_norm_rope_out(Tensor! q_out, Tensor! k_out, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, "
+          "Tensor cos, Tensor sin, float eps) -> ()");
   ops.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) -> ()");
 
   // CPU twins are registered in every variant: a CUDA build of torch serves CPU tensors too.

@@ -4,7 +4,7 @@ from . import layers
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
-from .rope import rope_interleaved, rope_rotate_half
+from .rope import qk_norm_rope, rope_interleaved, rope_rotate_half
 
 __all__ = [
     "adaln",
@@ -16,6 +16,7 @@ __all__ = [
     "gelu_mul",
     "layers",
     "ops",
+    "qk_norm_rope",
     "rms_norm",
     "rope_interleaved",
     "rope_rotate_half",

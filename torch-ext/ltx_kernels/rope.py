@@ -8,7 +8,7 @@ q and k: ``[B, S, C]`` (LTX-Video), ``[B, H, S, D]`` (transformers, FLUX) or
 (partial rotary), the rest pass through. fp32 math, one rounding.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -35,6 +35,30 @@ def rope_interleaved(
     return _rope(q, k, cos, sin, True, sequence_dim, inplace)
 
 
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The LTX-Video attention prologue in one launch: ``norm_q(q)`` and ``norm_k(k)``
+    (``torch.nn.RMSNorm`` over all C channels, across heads, with weights ``[C]``), each
+    rounded to q's dtype as that module returns, then :func:`rope_interleaved` with
+    ``[B, S, C]`` (or ``[S, C]``) tables. q and k: ``[B, S, C]`` with rows of one stride
+    (slices of a fused qkv projection work); C even, at most 16384 (bf16/fp16) or 8192
+    (fp32) on CUDA (4096 for views not 16-byte aligned). ``out=(q_out, k_out)`` may be
+    ``(q, k)``."""
+    if out is None:
+        return ops.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
+    ops.qk_norm_rope_out(out[0], out[1], q, k, q_weight, k_weight, cos, sin, eps)
+    return out
+
+
 def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace):
     if inplace:
         ops.rope_(q, k, cos, sin, interleaved, sequence_dim)
@@ -47,6 +71,12 @@ def _(q, k, cos, sin, interleaved, sequence_dim):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-for _name in ("rope_out", "rope_"):
+@torch.library.register_fake(add_op_namespace_prefix("qk_norm_rope"))
+def _(q, k, q_weight, k_weight, cos, sin, eps):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+for _name in ("rope_out", "rope_", "qk_norm_rope_out"):
     torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
 del _name
