@@ -182,3 +182,12 @@ def test_qk_norm_rope_bad_input(kernel, device):
         kernel.qk_norm_rope(q, q, w, w, cos[:, :32], cos[:, :32])
     with pytest.raises(RuntimeError, match="C must be even"):
         kernel.qk_norm_rope(q[..., :63], q[..., :63], w[:63], w[:63], cos[:, :63], cos[:, :63])
+
+
+def test_empty_inputs(kernel, device):
+    q, k = torch.empty(2, 0, 5, 64, device=device), torch.empty(2, 0, 5, 64, device=device)
+    cos = torch.ones(5, 64, device=device)
+    q_out, k_out = kernel.rope_rotate_half(q, k, cos, cos)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    q3 = torch.empty(0, 5, 64, device=device)
+    assert kernel.qk_norm_rope(q3, q3, cos[0], cos[0], cos, cos)[0].shape == q3.shape
