@@ -149,6 +149,27 @@ inline void check_eps(double eps, const char* op) {
   TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
 }
 
+// The RMSNorm part of rms_norm_out and fused_add_rms_norm_out: input, weight, eps, out.
+inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out, const at::Tensor& input,
+                         const std::optional<at::Tensor>& weight, double eps, double weight_offset,
+                         bool cast_before_weight) {
+  NormArgs a;
+  Checker c{op, input, device, a};
+  c.check_input();
+  c.weight(weight, /*fp32_allowed=*/true);
+  check_eps(eps, op);
+  a.out_fp32 = out.scalar_type() == at::kFloat && a.dtype != at::kFloat;
+  TORCH_CHECK(out.scalar_type() == a.dtype || a.out_fp32, op, ": out has dtype ", out.scalar_type(),
+              " but input has dtype ", a.dtype, " (out may be the input's dtype or float32)");
+  TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
+  a.out_stride = c.like_input(out, "out", out.scalar_type());
+  a.out = out.mutable_data_ptr();
+  a.eps = static_cast<float>(eps);
+  a.weight_offset = static_cast<float>(weight_offset);
+  a.cast_before_weight = cast_before_weight;
+  return a;
+}
+
 }  // namespace norm_detail
 
 // Where an op runs: the tensors' device type and the function that runs the work.
@@ -170,21 +191,8 @@ struct CudaNorm {
 template <class Backend>
 void rms_norm_out(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
                   double eps, double weight_offset, bool cast_before_weight) {
-  constexpr const char* op = "rms_norm";
-  NormArgs a;
-  norm_detail::Checker c{op, input, Backend::device, a};
-  c.check_input();
-  c.weight(weight, /*fp32_allowed=*/true);
-  norm_detail::check_eps(eps, op);
-  a.out_fp32 = out.scalar_type() == at::kFloat && a.dtype != at::kFloat;
-  TORCH_CHECK(out.scalar_type() == a.dtype || a.out_fp32, op, ": out has dtype ", out.scalar_type(),
-              " but input has dtype ", a.dtype, " (out may be the input's dtype or float32)");
-  TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
-  a.out_stride = c.like_input(out, "out", out.scalar_type());
-  a.out = out.mutable_data_ptr();
-  a.eps = static_cast<float>(eps);
-  a.weight_offset = static_cast<float>(weight_offset);
-  a.cast_before_weight = cast_before_weight;
+  const NormArgs a = norm_detail::rms_args("rms_norm", Backend::device, out, input, weight, eps, weight_offset,
+                                           cast_before_weight);
   if (a.rows > 0) Backend::run(a);
 }
 
@@ -196,20 +204,12 @@ void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at:
                             const at::Tensor& residual, const std::optional<at::Tensor>& weight, double eps,
                             double weight_offset, bool cast_before_weight) {
   constexpr const char* op = "fused_add_rms_norm";
-  NormArgs a;
+  NormArgs a = norm_detail::rms_args(op, Backend::device, out, input, weight, eps, weight_offset, cast_before_weight);
   norm_detail::Checker c{op, input, Backend::device, a};
-  c.check_input();
-  c.weight(weight, /*fp32_allowed=*/true);
-  norm_detail::check_eps(eps, op);
   a.residual_stride = c.like_input(residual, "residual", a.dtype);
   a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
-  a.out_stride = c.like_input(out, "out", a.dtype);
   a.residual = residual.const_data_ptr();
   a.residual_out = residual_out.mutable_data_ptr();
-  a.out = out.mutable_data_ptr();
-  a.eps = static_cast<float>(eps);
-  a.weight_offset = static_cast<float>(weight_offset);
-  a.cast_before_weight = cast_before_weight;
   if (a.rows > 0) Backend::run(a);
 }
 
