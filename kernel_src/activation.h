@@ -9,6 +9,7 @@
 
 #include "common.h"
 
+#include <limits>
 #include <string>
 
 namespace ltx {
@@ -62,6 +63,8 @@ void run_checked(const char* op, at::Tensor& out, const at::Tensor& gate, const 
   a.dtype = gate.scalar_type();
   a.device = gate.device();
   const RowView g = row_view(gate, op, "input");
+  TORCH_CHECK(g.cols <= std::numeric_limits<int32_t>::max(), op, ": last dim ", g.cols,
+              " is too large (at most 2^31 - 1)");
   a.rows = g.rows;
   a.cols = g.cols;
   a.gate = gate.const_data_ptr();
@@ -74,6 +77,7 @@ void run_checked(const char* op, at::Tensor& out, const at::Tensor& gate, const 
     TORCH_CHECK(t->sizes() == gate.sizes(), op, ": ", arg, " has sizes ", t->sizes(), " but expected ",
                 gate.sizes());
   }
+  check_output_overlap(out, {&gate, up}, op, "out");
   a.out = out.mutable_data_ptr();
   a.out_stride = row_view(out, op, "out").row_stride;
   if (up != nullptr) {

@@ -3,6 +3,7 @@
 // Lean on purpose: no torch/all.h (5x slower builds).
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -98,6 +99,28 @@ inline RowView row_view(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(row_stride >= cols || rows <= 1, op, ": ", arg, " has overlapping rows (row stride ",
               row_stride, " < last dim ", cols, ")");
   return {rows, cols, row_stride};
+}
+
+// An output must not write one element twice (expanded views) and must not partly
+// overlap an input; the very same memory as an input (in place) is fine.
+inline void check_output_overlap(const at::Tensor& out, std::initializer_list<const at::Tensor*> inputs,
+                                 const char* op, const char* arg) {
+  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes, op, ": ", arg,
+              " has elements that share memory (an expanded view?); pass a tensor that owns its memory");
+  for (const at::Tensor* in : inputs) {
+    if (in == nullptr || !in->defined()) continue;
+    TORCH_CHECK(at::get_overlap_status(out, *in) != at::MemOverlapStatus::Partial, op, ": ", arg,
+                " partly overlaps an input; outputs may be an input itself or separate memory");
+  }
+}
+
+// Two outputs of one op must not share memory. (Interleaved slices of one buffer, such
+// as q and k of a fused qkv, are "too hard" to tell apart cheaply and pass.)
+inline void check_disjoint_outputs(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg_a,
+                                   const char* arg_b) {
+  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+  TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ", arg_a,
+              " and ", arg_b, " share memory; they must be separate tensors");
 }
 
 inline bool aligned_to(const void* p, std::size_t bytes) {

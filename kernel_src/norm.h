@@ -163,6 +163,7 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
               " but input has dtype ", a.dtype, " (out may be the input's dtype or float32)");
   TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
   a.out_stride = c.like_input(out, "out", out.scalar_type());
+  check_output_overlap(out, {&input}, op, "out");
   a.out = out.mutable_data_ptr();
   a.eps = static_cast<float>(eps);
   a.weight_offset = static_cast<float>(weight_offset);
@@ -208,6 +209,9 @@ void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at:
   norm_detail::Checker c{op, input, Backend::device, a};
   a.residual_stride = c.like_input(residual, "residual", a.dtype);
   a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
+  check_disjoint_outputs(out, residual_out, op, "out", "residual_out");
+  check_output_overlap(out, {&residual}, op, "out");
+  check_output_overlap(residual_out, {&input, &residual}, op, "residual_out");
   a.residual = residual.const_data_ptr();
   a.residual_out = residual_out.mutable_data_ptr();
   if (a.rows > 0) Backend::run(a);
@@ -228,6 +232,7 @@ void adaln_out(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale
   a.scale = c.modulation(scale, "scale");
   a.shift = c.modulation(shift, "shift");
   a.out_stride = c.like_input(out, "out", a.dtype);
+  check_output_overlap(out, {&input, &scale, &shift}, op, "out");
   a.out = out.mutable_data_ptr();
   a.eps = static_cast<float>(eps);
   if (a.rows > 0) Backend::run(a);
@@ -247,6 +252,7 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
   c.batch_tokens();
   a.residual_stride = c.like_input(residual, "residual", a.dtype);
   a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
+  check_output_overlap(residual_out, {&input, &residual, &gate}, op, "residual_out");
   a.residual = residual.const_data_ptr();
   a.residual_out = residual_out.mutable_data_ptr();
   a.gate = c.modulation(gate, "gate");
@@ -259,6 +265,8 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
     a.scale = c.modulation(*scale, "scale");
     a.shift = c.modulation(*shift, "shift");
     a.out_stride = c.like_input(*out, "out", a.dtype);
+    check_disjoint_outputs(*out, residual_out, op, "out", "residual_out");
+    check_output_overlap(*out, {&input, &residual, &gate, &*scale, &*shift}, op, "out");
     a.out = out->mutable_data_ptr();
     a.eps = static_cast<float>(eps);
   }

@@ -150,7 +150,7 @@ constexpr int kQkMaxBlock = 512;  // fp32 tables need more than the 64 registers
 
 // One (tensor, b, s) row per threads_per_row threads: RMSNorm in fp32, weight, rounding to
 // T (what torch.nn.RMSNorm returns), then interleaved RoPE in fp32 and a second rounding.
-template <typename T, typename C, int VEC>
+template <typename T, typename C, int VEC, bool ALIGNED>
 __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormRopeParams<T, C> p, int threads_per_row) {
   __shared__ float scratch[32];
   const int rows_per_block = blockDim.x / threads_per_row;
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
   for (int k = 0; k < kQkCachedVecs; ++k) {
     const int i = t + k * threads_per_row;
     if (active && i < nvec) {
-      cached[k] = load_vec<T, VEC>(x, i);
+      cached[k] = load_n<T, VEC, ALIGNED>(x + i * VEC);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum_sq += to_float(cached[k].v[j]) * to_float(cached[k].v[j]);
     }
@@ -185,9 +185,9 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
   for (int k = 0; k < kQkCachedVecs; ++k) {
     const int i = t + k * threads_per_row;
     if (i >= nvec) continue;
-    const Vec<T, VEC> wv = load_vec<T, VEC>(w, i);
-    const Vec<C, VEC> c = load_vec<C, VEC>(cos, i);
-    const Vec<C, VEC> sn = load_vec<C, VEC>(sin, i);
+    const Vec<T, VEC> wv = load_n<T, VEC, ALIGNED>(w + i * VEC);
+    const Vec<C, VEC> c = load_n<C, VEC, ALIGNED>(cos + i * VEC);
+    const Vec<C, VEC> sn = load_n<C, VEC, ALIGNED>(sin + i * VEC);
     Vec<T, VEC> out;
 #pragma unroll
     for (int j = 0; j < VEC; j += 2) {
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
       out.v[j] = from_float<T>(a * to_float(c.v[j]) - e * to_float(sn.v[j]));
       out.v[j + 1] = from_float<T>(e * to_float(c.v[j + 1]) + a * to_float(sn.v[j + 1]));
     }
-    store_vec<T, VEC>(y, i, out);
+    store_n<T, VEC, ALIGNED>(y + i * VEC, out);
   }
 }
 
@@ -210,7 +210,7 @@ void launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
     vector = vector && aligned_to(ptr, 16);
   }
   for (int64_t stride : {a.q_stride, a.k_stride, a.q_out_stride, a.k_out_stride}) vector = vector && stride % V == 0;
-  // The scalar path works on pairs: 2-element vectors of 2-element alignment.
+  // The scalar path works on pairs, element by element (no alignment assumed).
   const int vec = vector ? V : 2;
   const RowLaunch cfg = row_launch(a.channels / vec, kQkCachedVecs, kQkMaxBlock);
   TORCH_CHECK(static_cast<int64_t>(cfg.threads_per_row) * kQkCachedVecs * vec >= a.channels,
@@ -224,9 +224,9 @@ void launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (2 * p.rows + rows_per_block - 1) / rows_per_block;
   if (vector) {
-    qk_norm_rope_kernel<T, C, V><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+    qk_norm_rope_kernel<T, C, V, true><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
   } else {
-    qk_norm_rope_kernel<T, C, 2><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+    qk_norm_rope_kernel<T, C, 2, false><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
   }
   check_launch();
 }

@@ -163,6 +163,9 @@ void rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const a
               " but q has sizes ", q.sizes(), " (batch, sequence and head dim must agree; heads may differ)");
   TORCH_CHECK(q_out.sizes() == q.sizes(), op, ": q_out has sizes ", q_out.sizes(), " but q has sizes ", q.sizes());
   TORCH_CHECK(k_out.sizes() == k.sizes(), op, ": k_out has sizes ", k_out.sizes(), " but k has sizes ", k.sizes());
+  check_output_overlap(q_out, {&q, &k, &cos, &sin}, op, "q_out");
+  check_output_overlap(k_out, {&q, &k, &cos, &sin}, op, "k_out");
+  check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out");
   rope_detail::fill(a.q, qv, as_bhsd(q_out, sequence_dim, op, "q_out"), q, q_out);
   rope_detail::fill(a.k, kv, as_bhsd(k_out, sequence_dim, op, "k_out"), k, k_out);
 
@@ -212,6 +215,9 @@ void qk_norm_rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q,
   a.table_fp32 = table.fp32;
   a.table_b = table.batch_stride;
   a.table_s = table.seq_stride;
+  check_output_overlap(q_out, {&q, &k, &cos, &sin}, op, "q_out");
+  check_output_overlap(k_out, {&q, &k, &cos, &sin}, op, "k_out");
+  check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out");
   a.q = q.const_data_ptr(), a.k = k.const_data_ptr();
   a.q_out = q_out.mutable_data_ptr(), a.k_out = k_out.mutable_data_ptr();
   a.q_weight = q_weight.const_data_ptr(), a.k_weight = k_weight.const_data_ptr();

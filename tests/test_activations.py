@@ -105,3 +105,9 @@ def test_bad_input_raises_a_clear_error(kernel, device, case):
     call, message = _bad_calls(kernel, device)[case]
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+def test_partly_overlapping_out_is_refused(kernel, device):
+    buf = torch.randn(9, 64, device=device)
+    with pytest.raises(RuntimeError, match="out partly overlaps an input"):
+        kernel.gelu(buf[:8], out=buf[1:])

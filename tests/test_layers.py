@@ -37,3 +37,14 @@ def test_rms_norm_layer_matches_the_host_module(kernel, device):
         tol = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-7}[dtype]
         torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=1e-5)
         assert actual.dtype == dtype
+
+
+def test_rms_norm_layer_fp32_activations_with_a_low_precision_weight(kernel, device):
+    host = LlamaStyleRMSNorm(256).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        host.weight.normal_()
+    x = torch.randn(4, 256, device=device)
+    expected = host(x)
+    actual = kernel.layers.RMSNorm.forward(host, x)
+    assert actual.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

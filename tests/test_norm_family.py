@@ -184,3 +184,13 @@ def test_python_level_argument_errors(kernel):
         kernel.adaln(x, x, x, norm="group")
     with pytest.raises(ValueError, match="pass out and residual_out together"):
         kernel.fused_add_rms_norm(x, x, out=torch.empty_like(x))
+
+
+def test_partly_overlapping_outputs_are_refused(kernel, device):
+    buf = torch.randn(9, 64, device=device)
+    x = buf[:8]
+    with pytest.raises(RuntimeError, match="out partly overlaps an input"):
+        kernel.rms_norm(x, None, 1e-6, out=buf[1:])
+    res = torch.randn(8, 64, device=device)
+    with pytest.raises(RuntimeError, match="out and residual_out share memory"):
+        kernel.fused_add_rms_norm(x, res, out=res, residual_out=res)

@@ -191,3 +191,27 @@ def test_empty_inputs(kernel, device):
     assert q_out.shape == q.shape and k_out.shape == k.shape
     q3 = torch.empty(0, 5, 64, device=device)
     assert kernel.qk_norm_rope(q3, q3, cos[0], cos[0], cos, cos)[0].shape == q3.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_rope_unaligned_rows(kernel, device, dtype):
+    """An odd row stride (slice of a [B, S, C + 1] tensor): rows are not even 4-byte aligned."""
+    b, s, c = 2, 5, 64
+    q = make((b, s, c + 1), dtype, device)[..., :c]
+    k = make((b, s, c + 1), dtype, device)[..., 1:]
+    w = make((c,), dtype, device)
+    cos, sin = tables(b, s, c, torch.float32, device, interleaved=True)
+    q_out, k_out = kernel.qk_norm_rope(q, k, w, w, cos, sin, 1e-5)
+    atol = 4 * TOLERANCE[dtype]["rtol"]
+    for x, out in ((q, q_out), (k, k_out)):
+        normed = torch.nn.functional.rms_norm(x.double(), (c,), w.double(), 1e-5).to(dtype)
+        assert_close(out, interleaved_ref(normed, cos, sin), dtype, roundings=3, atol=atol)
+
+
+def test_outputs_that_overlap_are_refused(kernel, device):
+    q, k = make((1, 1, 8, 64), torch.float32, device), make((1, 1, 8, 64), torch.float32, device)
+    cos, sin = tables(1, 8, 64, torch.float32, device, interleaved=False)
+    with pytest.raises(RuntimeError, match="q_out has elements that share memory"):
+        kernel.rope_rotate_half(q.expand(1, 4, 8, 64), k, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="q_out and k_out share memory"):
+        kernel.ops.rope_out(q, q, q, k, cos, sin, False, 2)

@@ -19,6 +19,9 @@ class RMSNorm(nn.Module):
     can_torch_compile = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out_dtype = torch.promote_types(self.weight.dtype, hidden_states.dtype)
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_before_weight=True,
+        weight = self.weight
+        if hidden_states.dtype == torch.float32 and weight.dtype != torch.float32:
+            weight = weight.float()  # fp32 activations, low-precision weight: the host computes in fp32
+        out_dtype = torch.promote_types(weight.dtype, hidden_states.dtype)
+        return rms_norm(hidden_states, weight, self.variance_epsilon, cast_before_weight=True,
                         out_dtype=out_dtype)
