@@ -195,8 +195,8 @@ def cases(k) -> List[Case]:
         out.append(Case("rope_interleaved", f"LTX q/k [{b},{s},{c}], fp32 tables", inputs,
                         peers(ltx_ropes, ltx=lambda q, kk, co, si: k.rope_interleaved(q, kk, co, si)),
                         4 * b * s * c * 2 + 2 * b * s * c * 4, quick=s == 2688))
-        def inputs_norm(b=b, s=s):
-            q, kk, co, si = inputs(b, s)
+        def inputs_norm(b=b, s=s, rope_inputs=inputs):
+            q, kk, co, si = rope_inputs(b, s)
             return q, kk, torch.randn(c, device="cuda", dtype=BF16), torch.randn(c, device="cuda", dtype=BF16), co, si
         out.append(Case("qk_norm_rope", f"LTX q/k [{b},{s},{c}]", inputs_norm,
                         peers(ltx_prologue, ltx=lambda q, kk, wq, wk, co, si: k.qk_norm_rope(q, kk, wq, wk, co, si, 1e-5)),
