@@ -153,7 +153,7 @@ def cases(k) -> List[Case]:
     for norm in ("rms", "layer"):
         for b, s, per_token in ((2, 2688, False), (2, 21504, False), (2, 2688, True)):
             d = 2048
-            def inputs(b=b, s=s, per_token=per_token):
+            def inputs(b=b, s=s, d=d, per_token=per_token):
                 m = (b, s, d) if per_token else (b, 1, d)
                 return (torch.randn(b, s, d, device="cuda", dtype=BF16),
                         torch.randn(m, device="cuda", dtype=BF16), torch.randn(m, device="cuda", dtype=BF16))
@@ -163,7 +163,7 @@ def cases(k) -> List[Case]:
                             (2 * b * s * d + mod) * 2, quick=(s == 2688 and not per_token)))
         for b, s in ((2, 2688), (2, 21504)):
             d = 2048
-            def inputs(b=b, s=s):
+            def inputs(b=b, s=s, d=d):
                 big = [torch.randn(b, s, d, device="cuda", dtype=BF16) for _ in range(2)]
                 small = [torch.randn(b, 1, d, device="cuda", dtype=BF16) for _ in range(3)]
                 return (*big, *small)
@@ -174,7 +174,7 @@ def cases(k) -> List[Case]:
 
     for b, hq, hkv, s in ((1, 32, 8, 8192), (1, 32, 8, 128), (4, 32, 8, 4096)):
         d = 128
-        def inputs(b=b, hq=hq, hkv=hkv, s=s):
+        def inputs(b=b, hq=hq, hkv=hkv, s=s, d=d):
             q = torch.randn(b, s, hq, d, device="cuda", dtype=BF16).transpose(1, 2)
             kk = torch.randn(b, s, hkv, d, device="cuda", dtype=BF16).transpose(1, 2)
             ang = torch.rand(b, s, d // 2, device="cuda")
@@ -188,15 +188,15 @@ def cases(k) -> List[Case]:
 
     for b, s in ((2, 2688), (2, 21504)):
         c = 2048
-        def inputs(b=b, s=s):
+        def inputs(b=b, s=s, c=c):
             q, kk = (torch.randn(b, s, c, device="cuda", dtype=BF16) for _ in range(2))
             ang = torch.rand(b, s, c // 2, device="cuda").repeat_interleave(2, -1)
             return q, kk, ang.cos(), ang.sin()
         out.append(Case("rope_interleaved", f"LTX q/k [{b},{s},{c}], fp32 tables", inputs,
                         peers(ltx_ropes, ltx=lambda q, kk, co, si: k.rope_interleaved(q, kk, co, si)),
                         4 * b * s * c * 2 + 2 * b * s * c * 4, quick=s == 2688))
-        def inputs_norm(b=b, s=s, rope_inputs=inputs):
-            q, kk, co, si = rope_inputs(b, s)
+        def inputs_norm(b=b, s=s, c=c, rope_inputs=inputs):
+            q, kk, co, si = rope_inputs(b, s, c)
             return q, kk, torch.randn(c, device="cuda", dtype=BF16), torch.randn(c, device="cuda", dtype=BF16), co, si
         out.append(Case("qk_norm_rope", f"LTX q/k [{b},{s},{c}]", inputs_norm,
                         peers(ltx_prologue, ltx=lambda q, kk, wq, wk, co, si: k.qk_norm_rope(q, kk, wq, wk, co, si, 1e-5)),

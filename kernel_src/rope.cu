@@ -5,10 +5,13 @@
 #include "cuda_common.cuh"
 #include "rope.h"
 
+#include <algorithm>
+
 namespace ltx {
 namespace {
 
-constexpr int kBlock = 256;
+constexpr int kUnitThreads = 256;  // threads across one head's channels
+constexpr int kMaxBlock = 512;  // fp32 tables of rotate-half need more than 64 registers
 
 template <typename T>
 struct RopeRows {
@@ -31,7 +34,7 @@ struct RopeParams {
 // Units of N channels: [x1, x2] at i and i + R/2 (rotate-half), or N/2 interleaved pairs.
 // threadIdx.x walks units, threadIdx.y walks the q heads then the k heads.
 template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED>
-__global__ void __launch_bounds__(kBlock) rope_kernel(const RopeParams<T, C> p) {
+__global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> p) {
   const int64_t b = blockIdx.x / p.seq;
   const int64_t s = blockIdx.x - b * p.seq;
   const C* cos = p.cos + b * p.table_b + s * p.table_s;
@@ -129,12 +132,12 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   constexpr int kScalarN = INTERLEAVED ? 2 : 1;
   const int n = vector ? V : kScalarN;
   const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / n;
-  // Threads over the units of a head first, then over heads; one block per token.
+  // Threads over the units of a head first, then one row of threads per head (up to
+  // 512 threads): a thread that loops over several heads serialises their DRAM latency.
   int tx = 1;
-  while (tx < units && tx < kBlock) tx *= 2;
+  while (tx < units && tx < kUnitThreads) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
-  int ty = 1;
-  while (ty < heads && tx * ty * 2 <= kBlock) ty *= 2;
+  const int ty = static_cast<int>(std::min<int64_t>(heads, kMaxBlock / tx));
   const dim3 block(tx, ty);
   const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
                            a.table_b, a.table_s, a.seq, static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim)};
