@@ -69,11 +69,13 @@ def _depfile_inputs(depfile: Path) -> list[Path]:
 
 
 def _stamp(job: Job) -> str | None:
-    """Hash of the command and every input of the last compile; None forces a compile."""
+    """Hash of the command, every input of the last compile and the object it made (so a
+    damaged object is rebuilt too); None forces a compile."""
     inputs = _depfile_inputs(job.depfile)
     if not inputs or not job.obj.is_file():
         return None
     h = hashlib.sha256("\0".join(job.cmd).encode())
+    h.update(job.obj.read_bytes())
     for p in sorted(set(inputs)):
         if not p.is_file():
             return None

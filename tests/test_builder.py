@@ -104,3 +104,25 @@ ptxas info    : Used 30 registers, used 0 barriers, 360 bytes cmem[0]
     assert (spilling.arch, spilling.registers, spilling.spill_stores, spilling.spill_loads) == ("sm_90", 64, 68, 436)
     assert spilling.spills and spilling.kernel == "kernel(float*)"
     assert (clean.arch, clean.registers, clean.spills) == ("sm_80", 30, False)
+
+
+def test_a_damaged_build_is_rebuilt():
+    """Every build reassembles build/<variant>/ from checked objects: a deleted extension,
+    an edited _ops.py, a stray file or a truncated cached object do not survive it."""
+    import subprocess
+
+    from test_build_layout import expected_variant
+
+    folder = REPO / "build" / expected_variant("cpu")
+    (so,) = folder.glob("*.so")
+    so.unlink()
+    (folder / "_ops.py").write_text("broken = True\n")
+    (folder / "stray.txt").write_text("left over\n")
+    cached = sorted((REPO / ".build-cache" / expected_variant("cpu") / "obj").glob("*.o"))[0]
+    cached.write_bytes(cached.read_bytes()[:100])
+    proc = subprocess.run([sys.executable, "-m", "builder", "--backend", "cpu"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{cached.name.replace('__', '/')[:-2]}  up to date" not in proc.stdout, "the damaged object was recompiled"
+    assert so.is_file() and not (folder / "stray.txt").exists()
+    assert "ops = torch.ops._ltx_kernels_cpu_" in (folder / "_ops.py").read_text()
