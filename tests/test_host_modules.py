@@ -4,7 +4,6 @@ the roundings the two computations differ by."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from reference import TOLERANCE
 

@@ -2,7 +2,6 @@
 alignments), every op against its fp64 reference. Bounded example counts keep the CPU
 run short; the same tests run on the GPU."""
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
