@@ -64,6 +64,10 @@ inline NormKind parse_kind(const std::string& norm, const char* op) {
   TORCH_CHECK(false, op, ": norm must be \"rms\" or \"layer\", got \"", norm, "\"");
 }
 
+inline void check_eps(double eps, const char* op) {
+  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+}
+
 // Checks every tensor a norm op touches; fills the fields they determine.
 struct Checker {
   const char* op;
@@ -122,6 +126,21 @@ struct Checker {
 
   // A modulation operand of shape [D], [B', D] or [B', S', D] with B' in {B, 1} and
   // S' in {S, 1}, same dtype as input, contiguous last dim; any other strides.
+  // The AdaLN part: norm kind and eps, scale and shift, and out, which must not partly
+  // overlap `inputs` (the op's other inputs).
+  void adaln(at::Tensor& out, const at::Tensor& scale, const at::Tensor& shift, double eps, const std::string& norm,
+             std::initializer_list<const at::Tensor*> inputs) {
+    a.kind = parse_kind(norm, op);
+    check_eps(eps, op);
+    a.scale = modulation(scale, "scale");
+    a.shift = modulation(shift, "shift");
+    a.out_stride = like_input(out, "out", a.dtype);
+    check_output_overlap(out, {&input, &scale, &shift}, op, "out");
+    check_output_overlap(out, inputs, op, "out");
+    a.out = out.mutable_data_ptr();
+    a.eps = static_cast<float>(eps);
+  }
+
   Modulation modulation(const at::Tensor& m, const char* arg) {
     check_same_device(m, input, op, arg, "input");
     TORCH_CHECK(m.scalar_type() == a.dtype, op, ": ", arg, " has dtype ", m.scalar_type(),
@@ -144,10 +163,6 @@ struct Checker {
     return mod;
   }
 };
-
-inline void check_eps(double eps, const char* op) {
-  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
-}
 
 // The RMSNorm part of rms_norm_out and fused_add_rms_norm_out: input, weight, eps, out.
 inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out, const at::Tensor& input,
@@ -227,14 +242,7 @@ void adaln_out(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale
   norm_detail::Checker c{op, input, Backend::device, a};
   c.check_input();
   c.batch_tokens();
-  a.kind = norm_detail::parse_kind(norm, op);
-  norm_detail::check_eps(eps, op);
-  a.scale = c.modulation(scale, "scale");
-  a.shift = c.modulation(shift, "shift");
-  a.out_stride = c.like_input(out, "out", a.dtype);
-  check_output_overlap(out, {&input, &scale, &shift}, op, "out");
-  a.out = out.mutable_data_ptr();
-  a.eps = static_cast<float>(eps);
+  c.adaln(out, scale, shift, eps, norm, {});
   if (a.rows > 0) Backend::run(a);
 }
 
@@ -260,15 +268,9 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
               ": out, scale and shift come together (the fused AdaLN) or not at all");
   a.kind = NormKind::kNone;
   if (out.has_value()) {
-    a.kind = norm_detail::parse_kind(norm, op);
-    norm_detail::check_eps(eps, op);
-    a.scale = c.modulation(*scale, "scale");
-    a.shift = c.modulation(*shift, "shift");
-    a.out_stride = c.like_input(*out, "out", a.dtype);
-    check_disjoint_outputs(*out, residual_out, op, "out", "residual_out");
-    check_output_overlap(*out, {&input, &residual, &gate, &*scale, &*shift}, op, "out");
-    a.out = out->mutable_data_ptr();
-    a.eps = static_cast<float>(eps);
+    at::Tensor out_tensor = *out;  // shares out's storage
+    check_disjoint_outputs(out_tensor, residual_out, op, "out", "residual_out");
+    c.adaln(out_tensor, *scale, *shift, eps, norm, {&residual, &gate});
   }
   if (a.rows > 0) Backend::run(a);
 }
