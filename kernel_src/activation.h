@@ -9,6 +9,8 @@
 
 #include "common.h"
 
+#include <ATen/ops/empty.h>
+
 #include <limits>
 #include <string>
 
@@ -16,15 +18,19 @@ namespace ltx {
 
 enum class Gelu { kErf, kTanh };
 
+// Forward: out = gelu(gate) [* up]. Backward (grad set): out = grad * gelu'(gate) [* up],
+// the gate's grad, and up_grad = grad * gelu(gate), the up operand's grad.
 struct ActivationArgs {
   at::ScalarType dtype = at::kFloat;
   c10::Device device = c10::Device(c10::kCPU);
   Gelu gelu = Gelu::kErf;
-  void* out = nullptr;       // [rows, cols]
+  void* out = nullptr;         // [rows, cols]
   const void* gate = nullptr;  // [rows, cols]: the GELU's argument
   const void* up = nullptr;    // [rows, cols] multiplied in, or nullptr (plain GELU)
+  const void* grad = nullptr;  // [rows, cols] the output's grad (backward), or nullptr
+  void* up_grad = nullptr;     // [rows, cols] (backward with up), or nullptr
   int64_t rows = 0, cols = 0;
-  int64_t out_stride = 0, gate_stride = 0, up_stride = 0;
+  int64_t out_stride = 0, gate_stride = 0, up_stride = 0, grad_stride = 0, up_grad_stride = 0;
 };
 
 void run_activation_cpu(const ActivationArgs& args);
@@ -51,10 +57,11 @@ inline Gelu parse_gelu(const std::string& approximate, const char* op) {
   TORCH_CHECK(false, op, ": approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");
 }
 
-// out = gelu(gate) [* up]; gate, up and out of one shape, dtype and device.
+// out = gelu(gate) [* up], or with grad the backward (see ActivationArgs); every tensor of
+// one shape, dtype and device.
 template <class Backend>
 void run_checked(const char* op, at::Tensor& out, const at::Tensor& gate, const at::Tensor* up,
-                 const std::string& approximate) {
+                 const std::string& approximate, const at::Tensor* grad = nullptr, at::Tensor* up_grad = nullptr) {
   check_device(gate, Backend::device, op, "input");
   check_float_dtype(gate, op, "input");
   TORCH_CHECK(gate.dim() >= 1, op, ": input must have at least 1 dim");
@@ -69,7 +76,8 @@ void run_checked(const char* op, at::Tensor& out, const at::Tensor& gate, const 
   a.cols = g.cols;
   a.gate = gate.const_data_ptr();
   a.gate_stride = g.row_stride;
-  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {up, "up"}}) {
+  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {up, "up"}, {grad, "grad"},
+                               {up_grad, "up_grad"}}) {
     if (t == nullptr) continue;
     check_same_device(*t, gate, op, arg, "input");
     TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(),
@@ -83,6 +91,14 @@ void run_checked(const char* op, at::Tensor& out, const at::Tensor& gate, const 
   if (up != nullptr) {
     a.up = up->const_data_ptr();
     a.up_stride = row_view(*up, op, "up").row_stride;
+  }
+  if (grad != nullptr) {
+    a.grad = grad->const_data_ptr();
+    a.grad_stride = row_view(*grad, op, "grad").row_stride;
+  }
+  if (up_grad != nullptr) {
+    a.up_grad = up_grad->mutable_data_ptr();
+    a.up_grad_stride = row_view(*up_grad, op, "up_grad").row_stride;
   }
   if (a.rows > 0 && a.cols > 0) Backend::run(a);
 }
@@ -109,6 +125,40 @@ void geglu_out(at::Tensor& out, const at::Tensor& input, const std::string& appr
   const at::Tensor value = input.narrow(-1, 0, h);
   const at::Tensor gate = input.narrow(-1, h, h);
   activation_detail::run_checked<Backend>(op, out, gate, &value, approximate);
+}
+
+// Backward of gelu: grad_input = grad * gelu'(input).
+template <class Backend>
+at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& input, const std::string& approximate) {
+  at::Tensor grad_input = at::empty(input.sizes(), input.options());
+  activation_detail::run_checked<Backend>("gelu_backward", grad_input, input, nullptr, approximate, &grad);
+  return grad_input;
+}
+
+// Backward of gelu_mul: (grad * up * gelu'(gate), grad * gelu(gate)).
+template <class Backend>
+std::tuple<at::Tensor, at::Tensor> gelu_mul_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                                     const at::Tensor& up, const std::string& approximate) {
+  at::Tensor grad_gate = at::empty(gate.sizes(), gate.options());
+  at::Tensor grad_up = at::empty(gate.sizes(), gate.options());
+  activation_detail::run_checked<Backend>("gelu_mul_backward", grad_gate, gate, &up, approximate, &grad, &grad_up);
+  return {grad_gate, grad_up};
+}
+
+// Backward of geglu: grad_input [..., 2H] = [grad * gelu(gate) | grad * value * gelu'(gate)].
+template <class Backend>
+at::Tensor geglu_backward(const at::Tensor& grad, const at::Tensor& input, const std::string& approximate) {
+  constexpr const char* op = "geglu_backward";
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, op,
+              ": input's last dim must be even ([..., 2H]: value then gate), got sizes ", input.sizes());
+  const int64_t h = input.size(-1) / 2;
+  at::Tensor grad_input = at::empty(input.sizes(), input.options());
+  at::Tensor grad_value = grad_input.narrow(-1, 0, h);
+  at::Tensor grad_gate = grad_input.narrow(-1, h, h);
+  const at::Tensor value = input.narrow(-1, 0, h);
+  activation_detail::run_checked<Backend>(op, grad_gate, input.narrow(-1, h, h), &value, approximate, &grad,
+                                          &grad_value);
+  return grad_input;
 }
 
 }  // namespace ltx

@@ -4,6 +4,7 @@
 #include "cuda_common.cuh"
 #include "norm.h"
 
+#include <algorithm>
 #include <type_traits>
 
 namespace ltx {
@@ -208,7 +209,335 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   check_launch();
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Backward (see NormBackwardArgs). A block owns a column slice of bwd_vecs(VEC) vectors per
+// thread and walks a fixed set of rows of one group, keeping its slice of x and dy in
+// registers and its slice of the column grads in fp32 registers; it then writes one
+// partial row per column grad, which column_sum_kernel adds up in a fixed order. Rows
+// wider than one slice are split over blockIdx.x: each block still reads the whole row for
+// the row statistics (the other slices' reads mostly hit L2).
+
+// Vectors per thread: 8 elements keep the kernel well under 128 registers (the x, dy and
+// column-grad registers grow with it); rows wider than 512 threads x 8 are sliced.
+__host__ __device__ constexpr int bwd_vecs(int vec) { return vec >= 8 ? 1 : 8 / vec > 2 ? 2 : 8 / vec; }
+constexpr int kBwdMaxBlock = 512;
+
+template <typename T, typename W, typename G>
+struct NormBwdParams {
+  T* grad_input;  // [rows, cols] contiguous
+  const G* grad_out;
+  const T* input;
+  const T* grad_extra;
+  const W* weight;
+  const T* scale;
+  T* factor_rows;
+  T* shift_rows;
+  float* factor_partial;  // [groups, gridDim.y, cols]
+  float* shift_partial;
+  int64_t scale_batch, scale_token;
+  int64_t tokens, group_rows;
+  int64_t input_stride, grad_out_stride, grad_extra_stride;
+  int cols;
+  float eps, inv_cols, weight_offset;
+  bool cast_before_weight;
+};
+
+// Sums N values over one row's threads at once (one pair of barriers for all of them).
+template <int N>
+__device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, float (*scratch)[32]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(v[j], threads_per_row < 32 ? threads_per_row : 32);
+  if (threads_per_row <= 32) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) scratch[j][warp] = v[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < warps ? scratch[j][lane] : 0.f, 32);
+}
+
+template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE>
+__global__ void __launch_bounds__(kBwdMaxBlock, 1)
+    norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
+  extern __shared__ float column_scratch[];  // [kAccs][rows_per_block][slice columns], rows_per_block > 1 only
+  __shared__ float scratch[3][32];
+  constexpr int kVecs = bwd_vecs(VEC);
+  constexpr bool kLayer = KIND == NormKind::kLayer;
+  const int rows_per_block = blockDim.x / threads_per_row;
+  const int row_in_block = threadIdx.x / threads_per_row;
+  const int t = threadIdx.x % threads_per_row;
+  const int nvec = p.cols / VEC;
+  const int slice = blockIdx.x;
+  const int64_t group_first = static_cast<int64_t>(blockIdx.z) * p.group_rows;
+
+  // Vector k of this thread in column chunk c (chunk `slice` is the block's own).
+  auto vec_index = [&](int chunk, int k) { return (chunk * kVecs + k) * threads_per_row + t; };
+  // Column-grad accumulators: dy * n, and (AdaLN) dy for the shift.
+  constexpr int kAccs = MODULATE ? 2 : 1;
+  float acc[kAccs][kVecs][VEC] = {};
+  Vec<T, VEC> xs[kVecs];
+  Vec<G, VEC> dys[kVecs];
+
+  // Trip count uniform over the block: every thread joins every row reduction.
+  for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block; base < p.group_rows;
+       base += static_cast<int64_t>(gridDim.y) * rows_per_block) {
+    const bool active = base + row_in_block < p.group_rows;
+    const int64_t r = group_first + (active ? base + row_in_block : 0);
+    const int64_t batch = r / p.tokens;
+    const T* x = p.input + r * p.input_stride;
+    const G* dy = p.grad_out + r * p.grad_out_stride;
+    const T* scale = MODULATE ? p.scale + batch * p.scale_batch + (r - batch * p.tokens) * p.scale_token : nullptr;
+    auto factor = [&](int i, float (&f)[VEC]) {
+      if constexpr (MODULATE) {
+        const Vec<T, VEC> sc = load_vec<T, VEC>(scale, i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] = 1.f + to_float(sc.v[j]);
+      } else if (p.weight != nullptr) {
+        const Vec<W, VEC> w = load_vec<W, VEC>(p.weight, i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] = p.weight_offset + to_float(w.v[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] = 1.f;
+      }
+    };
+    // Calls fn(x, dy, i) for every vector of the row this thread covers: its own slice
+    // from registers (loaded into them when load_slice), the other slices from memory.
+    auto for_row = [&](bool load_slice, auto&& fn) {
+      for (int c = 0; c < slices; ++c) {
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+          const int i = vec_index(c, k);
+          if (!active || i >= nvec) continue;
+          if (c == slice) {
+            if (load_slice) {
+              xs[k] = load_vec<T, VEC>(x, i);
+              dys[k] = load_vec<G, VEC>(dy, i);
+            }
+            fn(xs[k], dys[k], i);
+          } else {
+            fn(load_vec<T, VEC>(x, i), load_vec<G, VEC>(dy, i), i);
+          }
+        }
+      }
+    };
+
+    float mean = 0.f;
+    if constexpr (kLayer) {
+      float s[1] = {0.f};
+      for_row(true, [&](const Vec<T, VEC>& xv, const Vec<G, VEC>&, int) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s[0] += to_float(xv.v[j]);
+      });
+      row_sums<1>(s, threads_per_row, scratch);
+      mean = s[0] * p.inv_cols;
+    }
+    // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
+    float s[3] = {0.f, 0.f, 0.f};
+    for_row(!kLayer, [&](const Vec<T, VEC>& xv, const Vec<G, VEC>& dv, int i) {
+      float f[VEC];
+      factor(i, f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float c = to_float(xv.v[j]) - mean;
+        const float dn = to_float(dv.v[j]) * f[j];
+        s[0] += c * c;
+        s[1] += dn * c;
+        s[2] += dn;
+      }
+    });
+    if constexpr (kLayer) {
+      row_sums<3>(s, threads_per_row, scratch);
+    } else {
+      float s2[2] = {s[0], s[1]};
+      row_sums<2>(s2, threads_per_row, scratch);
+      s[0] = s2[0], s[1] = s2[1];
+    }
+    if (!active) continue;
+    const float rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
+    const float mean_dn_n = s[1] * rstd * p.inv_cols;
+    const float mean_dn = kLayer ? s[2] * p.inv_cols : 0.f;
+    const int64_t out_row = r * p.cols;
+    const T* extra = p.grad_extra != nullptr ? p.grad_extra + r * p.grad_extra_stride : nullptr;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = vec_index(slice, k);
+      if (i >= nvec) continue;
+      float f[VEC];
+      factor(i, f);
+      Vec<T, VEC> ex;
+      if (extra != nullptr) ex = load_vec<T, VEC>(extra, i);
+      Vec<T, VEC> dx, fr, sr;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = to_float(dys[k].v[j]);
+        float normed = (to_float(xs[k].v[j]) - mean) * rstd;
+        float g = rstd * (d * f[j] - mean_dn - normed * mean_dn_n);
+        if (extra != nullptr) g += to_float(ex.v[j]);
+        dx.v[j] = from_float<T>(g);
+        if (p.cast_before_weight) normed = to_float(from_float<T>(normed));
+        fr.v[j] = from_float<T>(d * normed);
+        sr.v[j] = from_float<T>(d);
+        acc[0][k][j] += d * normed;
+        if constexpr (MODULATE) acc[kAccs - 1][k][j] += d;
+      }
+      store_vec<T, VEC>(p.grad_input + out_row, i, dx);
+      if constexpr (MODULATE) {
+        if (p.factor_rows != nullptr) store_vec<T, VEC>(p.factor_rows + out_row, i, fr);
+        if (p.shift_rows != nullptr) store_vec<T, VEC>(p.shift_rows + out_row, i, sr);
+      }
+    }
+  }
+
+  // This block's partial column sums: over its rows, then over its rows_per_block rows.
+  const int64_t partial_row = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * p.cols;
+  const int slice_cols = threads_per_row * kVecs * VEC;
+#pragma unroll
+  for (int which = 0; which < kAccs; ++which) {
+    float* partial = which == 0 ? p.factor_partial : p.shift_partial;
+    if (partial == nullptr) continue;
+    if (rows_per_block == 1) {
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        const int i = vec_index(slice, k);
+        if (i >= nvec) continue;
+        Vec<float, VEC> v;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.v[j] = acc[which][k][j];
+        store_vec<float, VEC>(partial + partial_row, i, v);
+      }
+      continue;
+    }
+    float* mine = column_scratch + (which * rows_per_block + row_in_block) * slice_cols;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) mine[(k * threads_per_row + t) * VEC + j] = acc[which][k][j];
+    }
+    __syncthreads();
+    const int first_col = slice * slice_cols;
+    for (int c = threadIdx.x; c < slice_cols && first_col + c < p.cols; c += blockDim.x) {
+      float sum = 0.f;
+      for (int rr = 0; rr < rows_per_block; ++rr) sum += column_scratch[(which * rows_per_block + rr) * slice_cols + c];
+      partial[partial_row + first_col + c] = sum;
+    }
+  }
+}
+
+// sums[g, c] = sum over b of partial[g, b, c], b in order: 32 columns per block, the
+// partial rows split over threadIdx.y and combined in a fixed order.
+constexpr int kSumCols = 32, kSumRows = 16;
+
+__global__ void __launch_bounds__(kSumCols * kSumRows)
+    column_sum_kernel(const float* partial, float* sums, int partial_rows, int cols) {
+  __shared__ float tile[kSumRows][kSumCols];
+  const int col = blockIdx.x * kSumCols + threadIdx.x;
+  const float* group = partial + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
+  float acc = 0.f;
+  if (col < cols) {
+    for (int b = threadIdx.y; b < partial_rows; b += kSumRows) acc += group[static_cast<int64_t>(b) * cols + col];
+  }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0.f;
+#pragma unroll
+    for (int y = 0; y < kSumRows; ++y) total += tile[y][threadIdx.x];
+    sums[static_cast<int64_t>(blockIdx.y) * cols + col] = total;
+  }
+}
+
+template <typename T, typename W, typename G, NormKind KIND, bool MODULATE>
+void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec16<T>;
+  auto ok_ptr = [](const void* ptr, std::size_t bytes) { return ptr == nullptr || aligned_to(ptr, bytes); };
+  const std::size_t tb = V * sizeof(T);
+  const bool vector = a.cols % V == 0 && a.input_stride % V == 0 && a.grad_out_stride % V == 0 &&
+                      a.grad_extra_stride % V == 0 && a.scale.batch_stride % V == 0 &&
+                      a.scale.token_stride % V == 0 && ok_ptr(a.input, tb) && ok_ptr(a.grad_input, tb) &&
+                      ok_ptr(a.grad_extra, tb) && ok_ptr(a.scale.ptr, tb) && ok_ptr(a.factor_rows, tb) &&
+                      ok_ptr(a.shift_rows, tb) && ok_ptr(a.weight, V * sizeof(W)) && ok_ptr(a.grad_out, V * sizeof(G));
+  const int vec = vector ? V : 1;
+  const int64_t nvec = a.cols / vec;
+  const int vecs_per_thread = bwd_vecs(vec);
+  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, kBwdMaxBlock);
+  const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
+  const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
+  const int rows_per_block = cfg.block / cfg.threads_per_row;
+  const int64_t groups = a.rows / a.group_rows;
+
+  // Enough row blocks to fill the GPU about twice over with resident threads; each adds one
+  // partial row per column grad, so no more than that.
+  int sms = 0, threads_per_sm = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device.index()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, a.device.index()));
+  const int64_t resident = static_cast<int64_t>(sms) * threads_per_sm / cfg.block;
+  const int64_t wanted = std::max<int64_t>(1, resident / (groups * slices));
+  const int row_blocks = static_cast<int>(std::min<int64_t>(
+      {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
+  TORCH_CHECK(groups <= 65535, "norm backward: ", groups, " batch entries is more than one launch takes (65535)");
+
+  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
+  at::Tensor partial;
+  float* factor_partial = nullptr;
+  float* shift_partial = nullptr;
+  if (sums) {
+    const int64_t per = groups * row_blocks * a.cols;
+    // With one row block the partial rows are the sums themselves.
+    if (row_blocks == 1) {
+      factor_partial = a.factor_sums, shift_partial = a.shift_sums;
+    } else {
+      partial = at::empty({2 * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
+      if (a.factor_sums != nullptr) factor_partial = partial.mutable_data_ptr<float>();
+      if (a.shift_sums != nullptr) shift_partial = partial.mutable_data_ptr<float>() + per;
+    }
+  }
+  const NormBwdParams<T, W, G> p{static_cast<T*>(a.grad_input), static_cast<const G*>(a.grad_out),
+                                 static_cast<const T*>(a.input), static_cast<const T*>(a.grad_extra),
+                                 static_cast<const W*>(a.weight), static_cast<const T*>(a.scale.ptr),
+                                 static_cast<T*>(a.factor_rows), static_cast<T*>(a.shift_rows),
+                                 factor_partial, shift_partial,
+                                 a.scale.batch_stride, a.scale.token_stride, a.tokens, a.group_rows,
+                                 a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
+                                 a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+  const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
+  const std::size_t shared = rows_per_block > 1 ? (MODULATE ? 2 : 1) * cfg.block * vecs_per_thread * vec * sizeof(float) : 0;
+  if (vector) {
+    norm_backward_kernel<T, W, G, V, KIND, MODULATE><<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
+  } else {
+    norm_backward_kernel<T, W, G, 1, KIND, MODULATE><<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
+  }
+  check_launch();
+  if (sums && row_blocks > 1) {
+    const dim3 sum_grid(static_cast<unsigned>((a.cols + kSumCols - 1) / kSumCols), static_cast<unsigned>(groups));
+    for (const auto& [from, to] : {std::pair<float*, float*>{factor_partial, a.factor_sums}, {shift_partial, a.shift_sums}}) {
+      if (to == nullptr) continue;
+      column_sum_kernel<<<sum_grid, dim3(kSumCols, kSumRows), 0, stream>>>(from, to, row_blocks, static_cast<int>(a.cols));
+      check_launch();
+    }
+  }
+}
+
 }  // namespace
+
+void run_norm_backward_cuda(const NormBackwardArgs& a) {
+  const c10::cuda::CUDAGuard guard(a.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
+  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
+    using T = scalar_t;
+    if (a.scale.ptr != nullptr) {
+      return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true>(a, stream)
+                                        : launch_backward<T, T, T, NormKind::kRms, true>(a, stream);
+    }
+    if (a.weight_fp32 && a.grad_fp32) return launch_backward<T, float, float, NormKind::kRms, false>(a, stream);
+    if (a.weight_fp32) return launch_backward<T, float, T, NormKind::kRms, false>(a, stream);
+    return launch_backward<T, T, T, NormKind::kRms, false>(a, stream);
+  });
+}
 
 void run_norm_cuda(const NormArgs& a) {
   const c10::cuda::CUDAGuard guard(a.device);

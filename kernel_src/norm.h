@@ -10,6 +10,9 @@
 
 #include "common.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
+
 #include <limits>
 #include <string>
 #include <tuple>
@@ -51,9 +54,45 @@ struct NormArgs {
   bool cast_before_weight = false;  // round the normed value to dtype before the weight
 };
 
+// The backward of the row norms. With n the normed row, g its per-column factor
+// (weight_offset + weight, 1 + scale, or 1) and dn = dy * g:
+//   dx = rstd * (dn - mean(dn) [LayerNorm only] - n * mean(dn * n)) + grad_extra,
+// and the column grads, weight or scale: dy * n (dy * round(n) in the Llama order), shift:
+// dy. Column grads come per row (an operand with one row per input row) or summed in fp32
+// over each group of group_rows consecutive rows, in an order fixed by the launch shape
+// alone, so results repeat bit for bit.
+struct NormBackwardArgs {
+  NormKind kind = NormKind::kRms;
+  at::ScalarType dtype = at::kFloat;  // input, grad_extra, scale, grad_input
+  bool weight_fp32 = false;           // weight is fp32 while the input is fp16/bf16
+  bool grad_fp32 = false;             // grad_out is fp32 while the input is fp16/bf16
+  c10::Device device = c10::Device(c10::kCPU);
+
+  void* grad_input = nullptr;        // [rows, cols] contiguous
+  const void* grad_out = nullptr;    // [rows, cols], rows grad_out_stride apart
+  const void* input = nullptr;       // [rows, cols], rows input_stride apart
+  const void* grad_extra = nullptr;  // [rows, cols] added to grad_input (a residual's grad), or nullptr
+  const void* weight = nullptr;      // [cols] or nullptr
+  Modulation scale;                  // AdaLN's scale (g = 1 + scale), or ptr nullptr
+
+  void* factor_rows = nullptr;    // [rows, cols] contiguous dy * n, or nullptr
+  float* factor_sums = nullptr;   // [groups, cols] sums of dy * n, or nullptr
+  void* shift_rows = nullptr;     // [rows, cols] contiguous dy, or nullptr
+  float* shift_sums = nullptr;    // [groups, cols] sums of dy, or nullptr
+
+  int64_t rows = 0, cols = 0;
+  int64_t tokens = 1;      // rows per batch entry, for the scale's (batch, token) rows
+  int64_t group_rows = 0;  // rows per column-sum group (groups = rows / group_rows)
+  int64_t input_stride = 0, grad_out_stride = 0, grad_extra_stride = 0;
+  float eps = 0.f, inv_cols = 0.f, weight_offset = 0.f;
+  bool cast_before_weight = false;
+};
+
 void run_norm_cpu(const NormArgs& args);
+void run_norm_backward_cpu(const NormBackwardArgs& args);
 #if defined(CUDA_KERNEL)
 void run_norm_cuda(const NormArgs& args);
+void run_norm_backward_cuda(const NormBackwardArgs& args);
 #endif
 
 namespace norm_detail {
@@ -186,17 +225,71 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
   return a;
 }
 
+// The backward's input, grad_out and grad_extra; returns grad_input and fills `b`.
+// `a` holds what the forward's checks derived (rows, cols, dtype, weight, scale).
+inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker& c, const at::Tensor& grad_out,
+                                const std::optional<at::Tensor>& grad_extra, bool grad_fp32_allowed) {
+  b.kind = a.kind, b.dtype = a.dtype, b.weight_fp32 = a.weight_fp32, b.device = a.device;
+  b.input = a.input, b.weight = a.weight, b.scale = a.scale;
+  b.rows = a.rows, b.cols = a.cols, b.tokens = a.tokens, b.input_stride = a.input_stride;
+  b.inv_cols = a.inv_cols;
+  b.grad_fp32 = grad_out.scalar_type() == at::kFloat && a.dtype != at::kFloat;
+  TORCH_CHECK(!b.grad_fp32 || grad_fp32_allowed, c.op, ": grad_out has dtype float32 but input has dtype ", a.dtype,
+              " (a float32 grad_out needs a float32 weight)");
+  b.grad_out_stride = c.like_input(grad_out, "grad_out", grad_out.scalar_type());
+  b.grad_out = grad_out.const_data_ptr();
+  if (grad_extra.has_value()) {
+    b.grad_extra_stride = c.like_input(*grad_extra, "grad_extra", a.dtype);
+    b.grad_extra = grad_extra->const_data_ptr();
+  }
+  at::Tensor grad_input = at::empty(c.input.sizes(), c.input.options());
+  b.grad_input = grad_input.mutable_data_ptr();
+  return grad_input;
+}
+
+
+// The grad of a modulation operand (scale or shift) of sizes `like`: per row when the
+// operand has one row per input row, else column sums per batch entry reduced to its
+// sizes. Returns the grad and points `rows` or `sums` at the buffer the runner fills.
+struct ModulationGrad {
+  at::Tensor grad;
+  at::Tensor sums;  // fp32 [B, D] when summed
+};
+
+inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& input, const NormBackwardArgs& b,
+                                      void*& rows, float*& sums) {
+  if (like.numel() == b.rows * b.cols) {  // one operand row per input row
+    at::Tensor grad = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
+    rows = grad.mutable_data_ptr();
+    return {grad, {}};
+  }
+  // One group per batch entry; the runner writes every element (zeroed here only when
+  // there are no rows).
+  at::Tensor s = at::empty({input.size(0), b.cols}, input.options().dtype(at::kFloat));
+  sums = s.mutable_data_ptr<float>();
+  return {{}, s};
+}
+
+inline at::Tensor reduce_to(const at::Tensor& sums, const at::Tensor& like) {
+  // sums is [B, D]; an operand without a batch dim of B sums over it.
+  const bool per_batch = like.dim() >= 2 && like.size(0) == sums.size(0) && sums.size(0) > 1;
+  at::Tensor g = per_batch ? sums : at::sum(sums, {0}, /*keepdim=*/true);
+  return g.reshape(like.sizes()).to(like.scalar_type());
+}
+
 }  // namespace norm_detail
 
 // Where an op runs: the tensors' device type and the function that runs the work.
 struct CpuNorm {
   static constexpr c10::DeviceType device = c10::kCPU;
   static void run(const NormArgs& a) { run_norm_cpu(a); }
+  static void run(const NormBackwardArgs& a) { run_norm_backward_cpu(a); }
 };
 #if defined(CUDA_KERNEL)
 struct CudaNorm {
   static constexpr c10::DeviceType device = c10::kCUDA;
   static void run(const NormArgs& a) { run_norm_cuda(a); }
+  static void run(const NormBackwardArgs& a) { run_norm_backward_cuda(a); }
 };
 #endif
 
@@ -273,6 +366,77 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
     c.adaln(out_tensor, *scale, *shift, eps, norm, {&residual, &gate});
   }
   if (a.rows > 0) Backend::run(a);
+}
+
+// Backward of rms_norm (and of fused_add_rms_norm, whose residual_out grad is
+// grad_extra): returns (grad_input, grad_weight); grad_weight is [D] of the weight's dtype,
+// or an empty tensor without a weight. The fp32 column sums are reduced in a fixed order.
+template <class Backend>
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& input,
+                                                     const std::optional<at::Tensor>& weight, double eps,
+                                                     double weight_offset, bool cast_before_weight,
+                                                     const std::optional<at::Tensor>& grad_extra) {
+  constexpr const char* op = "rms_norm_backward";
+  NormArgs a;
+  norm_detail::Checker c{op, input, Backend::device, a};
+  c.check_input();
+  c.weight(weight, /*fp32_allowed=*/true);
+  norm_detail::check_eps(eps, op);
+  NormBackwardArgs b;
+  at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, a.weight_fp32);
+  b.eps = static_cast<float>(eps);
+  b.weight_offset = static_cast<float>(weight_offset);
+  b.cast_before_weight = cast_before_weight;
+  b.group_rows = b.rows;
+  at::Tensor grad_weight = at::empty({0}, input.options());
+  at::Tensor sums;
+  if (weight.has_value()) {
+    sums = at::empty({1, b.cols}, input.options().dtype(at::kFloat));
+    b.factor_sums = sums.mutable_data_ptr<float>();
+  }
+  if (b.rows > 0) {
+    Backend::run(b);
+  } else if (sums.defined()) {
+    sums.zero_();
+  }
+  if (weight.has_value()) grad_weight = sums.reshape({b.cols}).to(weight->scalar_type());
+  return {grad_input, grad_weight};
+}
+
+// Backward of adaln (and of gated_residual_adaln's norm, whose residual_out grad is
+// grad_extra): returns (grad_input, grad_scale, grad_shift) in the sizes and dtypes of
+// input, scale and shift.
+template <class Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& grad_out, const at::Tensor& input,
+                                                               const at::Tensor& scale, const at::Tensor& shift,
+                                                               double eps, const std::string& norm,
+                                                               const std::optional<at::Tensor>& grad_extra) {
+  constexpr const char* op = "adaln_backward";
+  NormArgs a;
+  norm_detail::Checker c{op, input, Backend::device, a};
+  c.check_input();
+  c.batch_tokens();
+  a.kind = norm_detail::parse_kind(norm, op);
+  norm_detail::check_eps(eps, op);
+  a.scale = c.modulation(scale, "scale");
+  c.modulation(shift, "shift");
+  NormBackwardArgs b;
+  at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
+  b.eps = static_cast<float>(eps);
+  b.group_rows = b.tokens;
+  auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
+  auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);
+  if (b.rows > 0) {
+    Backend::run(b);
+  } else {
+    for (auto* g : {&grad_scale, &grad_shift}) {
+      if (g->sums.defined()) g->sums.zero_();
+    }
+  }
+  for (auto* g : {&grad_scale, &grad_shift}) {
+    if (g->sums.defined()) g->grad = norm_detail::reduce_to(g->sums, g == &grad_scale ? scale : shift);
+  }
+  return {grad_input, grad_scale.grad, grad_shift.grad};
 }
 
 }  // namespace ltx

@@ -5,7 +5,9 @@
 
 #include "norm.h"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace ltx {
@@ -28,6 +30,18 @@ float sum_of(const float* v, int64_t n, float shift, bool square) {
     const float f = v[j] - shift;
     partial[0] += square ? f * f : f;
   }
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += partial[l];
+  return s;
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float partial[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) partial[l] += a[j + l] * b[j + l];
+  }
+  for (; j < n; ++j) partial[0] += a[j] * b[j];
   float s = 0.f;
   for (int64_t l = 0; l < kLanes; ++l) s += partial[l];
   return s;
@@ -92,7 +106,96 @@ void run(const NormArgs& a) {
   at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) { norm_rows<T, W, O>(a, begin, end); });
 }
 
+// Rows per column-sum chunk. Fixed, not derived from the thread count, so that the
+// sums repeat bit for bit on any machine.
+constexpr int64_t kChunkRows = 64;
+
+// Rows [begin, end) of the backward (see NormBackwardArgs); column grads are added to
+// factor_acc / shift_acc ([cols] each, or nullptr).
+template <typename T, typename W, typename G>
+void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, float* factor_acc, float* shift_acc) {
+  const int64_t n = a.cols;
+  std::vector<float> centred(n), dy(n), dn(n);
+  const W* w = static_cast<const W*>(a.weight);
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t batch = r / a.tokens;
+    const int64_t token = r - batch * a.tokens;
+    const T* x = row_of<T>(a.input, r, a.input_stride);
+    const G* g = row_of<G>(a.grad_out, r, a.grad_out_stride);
+    const T* extra = row_of<T>(a.grad_extra, r, a.grad_extra_stride);
+    const T* scale = modulation_row<T>(a.scale, batch, token);
+    for (int64_t k = 0; k < n; ++k) {
+      centred[k] = static_cast<float>(x[k]);
+      dy[k] = static_cast<float>(g[k]);
+      float factor = 1.f;
+      if (w != nullptr) factor = a.weight_offset + static_cast<float>(w[k]);
+      if (scale != nullptr) factor = 1.f + static_cast<float>(scale[k]);
+      dn[k] = dy[k] * factor;
+    }
+    const bool layer = a.kind == NormKind::kLayer;
+    const float mean = layer ? sum_of(centred.data(), n, 0.f, false) * a.inv_cols : 0.f;
+    for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
+    const float rstd = 1.f / std::sqrt(sum_of(centred.data(), n, 0.f, true) * a.inv_cols + a.eps);
+    const float mean_dn_n = dot(dn.data(), centred.data(), n) * rstd * a.inv_cols;
+    const float mean_dn = layer ? sum_of(dn.data(), n, 0.f, false) * a.inv_cols : 0.f;
+
+    T* dx = static_cast<T*>(a.grad_input) + r * n;
+    T* factor_row = a.factor_rows != nullptr ? static_cast<T*>(a.factor_rows) + r * n : nullptr;
+    T* shift_row = a.shift_rows != nullptr ? static_cast<T*>(a.shift_rows) + r * n : nullptr;
+    for (int64_t k = 0; k < n; ++k) {
+      float normed = centred[k] * rstd;
+      float d = rstd * (dn[k] - mean_dn - normed * mean_dn_n);
+      if (extra != nullptr) d += static_cast<float>(extra[k]);
+      dx[k] = static_cast<T>(d);
+      if (a.cast_before_weight) normed = static_cast<float>(static_cast<T>(normed));
+      if (factor_row != nullptr) factor_row[k] = static_cast<T>(dy[k] * normed);
+      if (factor_acc != nullptr) factor_acc[k] += dy[k] * normed;
+      if (shift_row != nullptr) shift_row[k] = static_cast<T>(dy[k]);
+      if (shift_acc != nullptr) shift_acc[k] += dy[k];
+    }
+  }
+}
+
+template <typename T, typename W, typename G>
+void run_backward(const NormBackwardArgs& a) {
+  const int64_t n = a.cols;
+  const int64_t groups = a.rows / a.group_rows;
+  const int64_t chunks = (a.group_rows + kChunkRows - 1) / kChunkRows;  // per group
+  std::vector<float> factor_partial(a.factor_sums != nullptr ? groups * chunks * n : 0);
+  std::vector<float> shift_partial(a.shift_sums != nullptr ? groups * chunks * n : 0);
+  auto partial_row = [&](std::vector<float>& p, int64_t chunk) { return p.empty() ? nullptr : p.data() + chunk * n; };
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t group = c / chunks;
+      const int64_t first = group * a.group_rows + (c - group * chunks) * kChunkRows;
+      const int64_t last = std::min(first + kChunkRows, (group + 1) * a.group_rows);
+      norm_backward_rows<T, W, G>(a, first, last, partial_row(factor_partial, c), partial_row(shift_partial, c));
+    }
+  });
+  for (const auto& [partial, sums] : {std::pair<std::vector<float>*, float*>{&factor_partial, a.factor_sums},
+                                      {&shift_partial, a.shift_sums}}) {
+    if (sums == nullptr) continue;
+    for (int64_t g = 0; g < groups; ++g) {
+      float* out = sums + g * n;
+      std::fill(out, out + n, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* p = partial->data() + (g * chunks + c) * n;
+        for (int64_t k = 0; k < n; ++k) out[k] += p[k];
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void run_norm_backward_cpu(const NormBackwardArgs& a) {
+  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
+    using T = scalar_t;
+    if (a.weight_fp32 && a.grad_fp32) return run_backward<T, float, float>(a);
+    if (a.weight_fp32) return run_backward<T, float, T>(a);
+    return run_backward<T, T, T>(a);
+  });
+}
 
 void run_norm_cpu(const NormArgs& a) {
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm", [&] {

@@ -29,6 +29,7 @@ struct RopeParams {
   int64_t table_b, table_s;
   int64_t seq;
   int head_dim, rotary_dim;
+  bool inverse;
 };
 
 // Units of N channels: [x1, x2] at i and i + R/2 (rotate-half), or N/2 interleaved pairs.
@@ -54,7 +55,14 @@ __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> 
     const int i = u * N;
     if constexpr (INTERLEAVED) {
       const Vec<C, N> c = load_n<C, N, ALIGNED>(cos + i);
-      const Vec<C, N> sn = load_n<C, N, ALIGNED>(sin + i);
+      const Vec<C, N> sv = load_n<C, N, ALIGNED>(sin + i);
+      // The backward swaps and negates each pair's sines (the transpose of the rotation).
+      float sn[N];
+#pragma unroll
+      for (int j = 0; j < N; j += 2) {
+        sn[j] = p.inverse ? -to_float(sv.v[j + 1]) : to_float(sv.v[j]);
+        sn[j + 1] = p.inverse ? -to_float(sv.v[j]) : to_float(sv.v[j + 1]);
+      }
       for (int h = threadIdx.y; h < heads; h += blockDim.y) {
         const T* in;
         T* out;
@@ -64,14 +72,20 @@ __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> 
 #pragma unroll
         for (int j = 0; j < N; j += 2) {
           const float a = to_float(x.v[j]), e = to_float(x.v[j + 1]);
-          y.v[j] = from_float<T>(a * to_float(c.v[j]) - e * to_float(sn.v[j]));
-          y.v[j + 1] = from_float<T>(e * to_float(c.v[j + 1]) + a * to_float(sn.v[j + 1]));
+          y.v[j] = from_float<T>(a * to_float(c.v[j]) - e * sn[j]);
+          y.v[j + 1] = from_float<T>(e * to_float(c.v[j + 1]) + a * sn[j + 1]);
         }
         store_n<T, N, ALIGNED>(out + i, y);
       }
     } else {
       const Vec<C, N> c1 = load_n<C, N, ALIGNED>(cos + i), c2 = load_n<C, N, ALIGNED>(cos + i + half);
-      const Vec<C, N> s1 = load_n<C, N, ALIGNED>(sin + i), s2 = load_n<C, N, ALIGNED>(sin + i + half);
+      const Vec<C, N> sv1 = load_n<C, N, ALIGNED>(sin + i), sv2 = load_n<C, N, ALIGNED>(sin + i + half);
+      float s1[N], s2[N];  // the backward swaps and negates the halves' sines
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        s1[j] = p.inverse ? -to_float(sv2.v[j]) : to_float(sv1.v[j]);
+        s2[j] = p.inverse ? -to_float(sv1.v[j]) : to_float(sv2.v[j]);
+      }
       for (int h = threadIdx.y; h < heads; h += blockDim.y) {
         const T* in;
         T* out;
@@ -82,8 +96,8 @@ __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> 
 #pragma unroll
         for (int j = 0; j < N; ++j) {
           const float a = to_float(x1.v[j]), e = to_float(x2.v[j]);
-          y1.v[j] = from_float<T>(a * to_float(c1.v[j]) - e * to_float(s1.v[j]));
-          y2.v[j] = from_float<T>(e * to_float(c2.v[j]) + a * to_float(s2.v[j]));
+          y1.v[j] = from_float<T>(a * to_float(c1.v[j]) - e * s1[j]);
+          y2.v[j] = from_float<T>(e * to_float(c2.v[j]) + a * s2[j]);
         }
         store_n<T, N, ALIGNED>(out + i, y1);
         store_n<T, N, ALIGNED>(out + i + half, y2);
@@ -140,7 +154,8 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   const int ty = static_cast<int>(std::min<int64_t>(heads, kMaxBlock / tx));
   const dim3 block(tx, ty);
   const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
-                           a.table_b, a.table_s, a.seq, static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim)};
+                           a.table_b, a.table_s, a.seq, static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim),
+                           a.inverse};
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
   if (vector) {

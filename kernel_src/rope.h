@@ -31,6 +31,7 @@ struct RopeArgs {
   at::ScalarType dtype = at::kFloat;
   bool table_fp32 = false;  // cos/sin float32 with fp16/bf16 q and k
   bool interleaved = false;
+  bool inverse = false;  // rotate by -theta with the tables' pairing transposed: the backward
   c10::Device device = c10::Device(c10::kCPU);
   RopeTensor q, k;
   const void* cos = nullptr;  // [B or 1, S, R]
@@ -139,18 +140,20 @@ inline Table check_tables(const at::Tensor& cos, const at::Tensor& sin, const at
 
 }  // namespace rope_detail
 
-// q_out, k_out = rope(q), rope(k); the outputs may be q and k themselves (in place).
+// q_out, k_out = rope(q), rope(k), or with inverse the transpose of that linear map (the
+// backward: grads in, grads out); the outputs may be q and k themselves (in place).
 template <class Backend>
-void rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-              const at::Tensor& sin, bool interleaved, int64_t sequence_dim) {
+void rope_apply(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                const at::Tensor& sin, bool interleaved, int64_t sequence_dim, bool inverse) {
   using rope_detail::as_bhsd;
-  constexpr const char* op = "rope";
+  const char* op = inverse ? "rope_backward" : "rope";
   check_device(q, Backend::device, op, "q");
   check_float_dtype(q, op, "q");
   RopeArgs a;
   a.dtype = q.scalar_type();
   a.device = q.device();
   a.interleaved = interleaved;
+  a.inverse = inverse;
   const auto qv = as_bhsd(q, sequence_dim, op, "q");
   a.batch = qv.size[0], a.seq = qv.size[2], a.head_dim = qv.size[3];
   for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&q_out, "q_out"}, {&k_out, "k_out"}}) {
@@ -179,6 +182,12 @@ void rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const a
   a.cos = cos.const_data_ptr();
   a.sin = sin.const_data_ptr();
   if (a.batch * a.seq * a.head_dim > 0) Backend::run(a);
+}
+
+template <class Backend>
+void rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+              const at::Tensor& sin, bool interleaved, int64_t sequence_dim) {
+  rope_apply<Backend>(q_out, k_out, q, k, cos, sin, interleaved, sequence_dim, /*inverse=*/false);
 }
 
 // q_out, k_out = rope(rms_norm(q, q_weight)), rope(rms_norm(k, k_weight)), interleaved;

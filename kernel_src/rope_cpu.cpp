@@ -5,6 +5,7 @@
 #include "rope.h"
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace ltx {
@@ -25,17 +26,24 @@ void rotate_rows(const RopeArgs& a, const RopeTensor& t, int64_t begin, int64_t 
     const C* cos = static_cast<const C*>(a.cos) + b * a.table_b + s * a.table_s;
     const C* sin = static_cast<const C*>(a.sin) + b * a.table_b + s * a.table_s;
     auto f = [](auto v) { return static_cast<float>(v); };
+    // The backward (inverse) swaps and negates the sines of each pair.
+    auto sines = [&](int64_t first, int64_t second) {
+      return a.inverse ? std::pair<float, float>{-f(sin[second]), -f(sin[first])}
+                       : std::pair<float, float>{f(sin[first]), f(sin[second])};
+    };
     if (a.interleaved) {
       for (int64_t i = 0; i < a.rotary_dim; i += 2) {
         const float x0 = f(in[i]), x1 = f(in[i + 1]);
-        out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * f(sin[i]));
-        out[i + 1] = static_cast<T>(x1 * f(cos[i + 1]) + x0 * f(sin[i + 1]));
+        const auto [s0, s1] = sines(i, i + 1);
+        out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * s0);
+        out[i + 1] = static_cast<T>(x1 * f(cos[i + 1]) + x0 * s1);
       }
     } else {
       for (int64_t i = 0; i < half; ++i) {
         const float x0 = f(in[i]), x1 = f(in[i + half]);
-        out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * f(sin[i]));
-        out[i + half] = static_cast<T>(x1 * f(cos[i + half]) + x0 * f(sin[i + half]));
+        const auto [s0, s1] = sines(i, i + half);
+        out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * s0);
+        out[i + half] = static_cast<T>(x1 * f(cos[i + half]) + x0 * s1);
       }
     }
     if (out != in) {

@@ -144,12 +144,45 @@ std::tuple<Tensor, Tensor> qk_norm_rope(const Tensor& q, const Tensor& k, const 
 }
 
 template <class B>
+std::tuple<Tensor, Tensor> rope_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& cos, const Tensor& sin,
+                                         bool interleaved, int64_t sequence_dim) {
+  Tensor grad_q_in = at::empty_like(grad_q);
+  Tensor grad_k_in = at::empty_like(grad_k);
+  ltx::rope_apply<B>(grad_q_in, grad_k_in, grad_q, grad_k, cos, sin, interleaved, sequence_dim, /*inverse=*/true);
+  return {grad_q_in, grad_k_in};
+}
+
+template <class B>
+std::tuple<Tensor, Tensor, Tensor> adaln_backward(const Tensor& grad_out, const Tensor& input, const Tensor& scale,
+                                                  const Tensor& shift, double eps, c10::string_view norm,
+                                                  const optional<Tensor>& grad_extra) {
+  return ltx::adaln_backward<B>(grad_out, input, scale, shift, eps, std::string(norm), grad_extra);
+}
+
+template <class B>
+Tensor gelu_backward(const Tensor& grad, const Tensor& input, c10::string_view approximate) {
+  return ltx::gelu_backward<B>(grad, input, std::string(approximate));
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> gelu_mul_backward(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                             c10::string_view approximate) {
+  return ltx::gelu_mul_backward<B>(grad, gate, up, std::string(approximate));
+}
+
+template <class B>
+Tensor geglu_backward(const Tensor& grad, const Tensor& input, c10::string_view approximate) {
+  return ltx::geglu_backward<B>(grad, input, std::string(approximate));
+}
+
+template <class B>
 void impl_rope_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("qk_norm_rope", device, &qk_norm_rope<B>);
   ops.impl("qk_norm_rope_out", device, &ltx::qk_norm_rope_out<B>);
   ops.impl("rope", device, &rope<B>);
   ops.impl("rope_out", device, &ltx::rope_out<B>);
   ops.impl("rope_", device, &rope_<B>);
+  ops.impl("rope_backward", device, &rope_backward<B>);
 }
 
 template <class B>
@@ -160,6 +193,9 @@ void impl_activation_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("gelu_mul_out", device, &gelu_mul_out<B>);
   ops.impl("geglu", device, &geglu<B>);
   ops.impl("geglu_out", device, &geglu_out<B>);
+  ops.impl("gelu_backward", device, &gelu_backward<B>);
+  ops.impl("gelu_mul_backward", device, &gelu_mul_backward<B>);
+  ops.impl("geglu_backward", device, &geglu_backward<B>);
 }
 
 template <class B>
@@ -174,6 +210,8 @@ void impl_norm_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("gated_residual_out", device, &gated_residual_out<B>);
   ops.impl("gated_residual_adaln", device, &gated_residual_adaln<B>);
   ops.impl("gated_residual_adaln_out", device, &gated_residual_adaln_out<B>);
+  ops.impl("rms_norm_backward", device, &ltx::rms_norm_backward<B>);
+  ops.impl("adaln_backward", device, &adaln_backward<B>);
 }
 
 }  // namespace
@@ -195,6 +233,11 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
           "float eps, str norm) -> (Tensor, Tensor)");
   ops.def("gated_residual_adaln_out(Tensor! residual_out, Tensor! out, Tensor residual, Tensor input, "
           "Tensor gate, Tensor scale, Tensor shift, float eps, str norm) -> ()");
+  // Backward ops: the grads of each differentiable input (see the Python autograd formulas).
+  ops.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps, float weight_offset, "
+          "bool cast_before_weight, Tensor? grad_extra) -> (Tensor, Tensor)");
+  ops.def("adaln_backward(Tensor grad_out, Tensor input, Tensor scale, Tensor shift, float eps, str norm, "
+          "Tensor? grad_extra) -> (Tensor, Tensor, Tensor)");
 
   ops.def("gelu(Tensor input, str approximate) -> Tensor");
   ops.def("gelu_out(Tensor! out, Tensor input, str approximate) -> ()");
@@ -202,6 +245,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("gelu_mul_out(Tensor! out, Tensor gate, Tensor up, str approximate) -> ()");
   ops.def("geglu(Tensor input, str approximate) -> Tensor");
   ops.def("geglu_out(Tensor! out, Tensor input, str approximate) -> ()");
+  ops.def("gelu_backward(Tensor grad, Tensor input, str approximate) -> Tensor");
+  ops.def("gelu_mul_backward(Tensor grad, Tensor gate, Tensor up, str approximate) -> (Tensor, Tensor)");
+  ops.def("geglu_backward(Tensor grad, Tensor input, str approximate) -> Tensor");
 
   ops.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) -> (Tensor, Tensor)");
   ops.def("rope_out(Tensor! q_out, Tensor! k_out, Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, "
@@ -211,6 +257,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("qk_norm_rope_out(Tensor! q_out, Tensor! k_out, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, "
           "Tensor cos, Tensor sin, float eps) -> ()");
   ops.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) -> ()");
+  ops.def("rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) "
+          "-> (Tensor, Tensor)");
 
   // CPU twins are registered in every variant: a CUDA build of torch serves CPU tensors too.
   impl_norm_ops<ltx::CpuNorm>(ops, c10::DeviceType::CPU);

@@ -5,6 +5,8 @@ Tensors are float32, float16 or bfloat16 on CPU or CUDA, ``[..., D]`` with a con
 last dim and leading dims that collapse into one row stride. Math is fp32 with one
 rounding to the input dtype. ``approximate`` is ``"none"`` (erf) or ``"tanh"``, as in
 ``torch.nn.functional.gelu``.
+
+Autograd: the functional forms are differentiable (one elementwise backward kernel each).
 """
 
 from typing import Optional
@@ -12,6 +14,7 @@ from typing import Optional
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
+from ._autograd import check_no_grad, register_autograd
 
 
 def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -19,6 +22,7 @@ def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tens
     SD3 feed-forwards use (diffusers' ``gelu-approximate``)."""
     if out is None:
         return ops.gelu(x, approximate)
+    check_no_grad("gelu", x)
     ops.gelu_out(out, x, approximate)
     return out
 
@@ -30,6 +34,7 @@ def gelu_mul(
     ``gelu_tanh(gate_proj(x)) * up_proj(x)``)."""
     if out is None:
         return ops.gelu_mul(gate, up, approximate)
+    check_no_grad("gelu_mul", gate, up)
     ops.gelu_mul_out(out, gate, up, approximate)
     return out
 
@@ -39,6 +44,7 @@ def geglu(x: torch.Tensor, approximate: str = "none", *, out: Optional[torch.Ten
     ``value * gelu(gate)``, returning ``[..., H]``. The gate is the second half."""
     if out is None:
         return ops.geglu(x, approximate)
+    check_no_grad("geglu", x)
     ops.geglu_out(out, x, approximate)
     return out
 
@@ -61,3 +67,44 @@ def _(x, approximate):
 for _name in ("gelu_out", "gelu_mul_out", "geglu_out"):
     torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
 del _name
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gelu_backward"))
+def _(grad, x, approximate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gelu_mul_backward"))
+def _(grad, gate, up, approximate):
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(gate, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake(add_op_namespace_prefix("geglu_backward"))
+def _(grad, x, approximate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))
+    ctx.approximate = inputs[-1]
+
+
+def _gelu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return ops.gelu_backward(grad.contiguous(), x, ctx.approximate), None
+
+
+def _gelu_mul_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    return (*ops.gelu_mul_backward(grad.contiguous(), gate, up, ctx.approximate), None)
+
+
+def _geglu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return ops.geglu_backward(grad.contiguous(), x, ctx.approximate), None
+
+
+register_autograd("gelu", _gelu_backward, _save_inputs)
+register_autograd("gelu_mul", _gelu_mul_backward, _save_inputs)
+register_autograd("geglu", _geglu_backward, _save_inputs)

@@ -1,11 +1,15 @@
 """The norm family: the functional API over the compiled ops, with their fake (meta)
-implementations for torch.compile beside them.
+implementations for torch.compile and their autograd formulas beside them.
 
 Shared rules: tensors are float32, float16 or bfloat16 on one device (CPU or CUDA); the
 input is ``[..., D]`` with a contiguous last dim and leading dims that collapse into one
 row stride (contiguous tensors and slices such as ``qkv[..., :D]``); sums and norms are
 computed in fp32 and every output is rounded once. Outputs are new contiguous tensors,
 or the ``out=`` tensors given (same sizes as the input; they may be the inputs).
+
+Autograd: the functional forms (not ``out=``) are differentiable in every input tensor;
+the backward kernels recompute the row statistics and reduce weight, scale, shift and
+gate grads in fp32 in a fixed order (deterministic). Double backward is not supported.
 """
 
 from typing import Optional, Tuple
@@ -13,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
+from ._autograd import check_no_grad, register_autograd
 
 NORMS = ("rms", "layer")
 
@@ -43,6 +48,7 @@ def rms_norm(
     """
     if out is None:
         return ops.rms_norm(x, weight, eps, weight_offset, cast_before_weight, out_dtype)
+    check_no_grad("rms_norm", x, weight)
     ops.rms_norm_out(out, x, weight, eps, weight_offset, cast_before_weight)
     return out
 
@@ -66,6 +72,7 @@ def fused_add_rms_norm(
         raise ValueError("fused_add_rms_norm: pass out and residual_out together, or neither")
     if out is None:
         return ops.fused_add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight)
+    check_no_grad("fused_add_rms_norm", x, residual, weight)
     ops.fused_add_rms_norm_out(out, residual_out, x, residual, weight, eps, weight_offset, cast_before_weight)
     return out, residual_out
 
@@ -92,6 +99,7 @@ def adaln(
     _check_norm(norm)
     if out is None:
         return ops.adaln(x, scale, shift, eps, norm)
+    check_no_grad("adaln", x, scale, shift)
     ops.adaln_out(out, x, scale, shift, eps, norm)
     return out
 
@@ -103,6 +111,7 @@ def gated_residual(
     does in :func:`adaln`."""
     if out is None:
         return ops.gated_residual(residual, x, gate)
+    check_no_grad("gated_residual", residual, x, gate)
     ops.gated_residual_out(out, residual, x, gate)
     return out
 
@@ -126,6 +135,7 @@ def gated_residual_adaln(
         raise ValueError("gated_residual_adaln: pass out and residual_out together, or neither")
     if out is None:
         return ops.gated_residual_adaln(residual, x, gate, scale, shift, eps, norm)
+    check_no_grad("gated_residual_adaln", residual, x, gate, scale, shift)
     ops.gated_residual_adaln_out(residual_out, out, residual, x, gate, scale, shift, eps, norm)
     return residual_out, out
 
@@ -171,3 +181,98 @@ for _name in ("rms_norm_out", "fused_add_rms_norm_out", "adaln_out", "gated_resi
               "gated_residual_adaln_out"):
     torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
 del _name
+
+
+@torch.library.register_fake(add_op_namespace_prefix("rms_norm_backward"))
+def _(grad_out, x, weight, eps, weight_offset, cast_before_weight, grad_extra):
+    grad_weight = x.new_empty(0) if weight is None else torch.empty_like(weight, memory_format=torch.contiguous_format)
+    return _empty_rows_like(x), grad_weight
+
+
+@torch.library.register_fake(add_op_namespace_prefix("adaln_backward"))
+def _(grad_out, x, scale, shift, eps, norm, grad_extra):
+    return (_empty_rows_like(x), torch.empty_like(scale, memory_format=torch.contiguous_format),
+            torch.empty_like(shift, memory_format=torch.contiguous_format))
+
+
+# Autograd formulas. Each backward is one kernel for the norm; the gated residual's own
+# grads are plain tensor math on the norm's grad.
+
+
+def _bsd(t: torch.Tensor) -> torch.Tensor:
+    """A modulation operand ([D], [B, D] or [B, S, D]) or input ([B, D] or [B, S, D]) as 3-D."""
+    return t.reshape((1, 1) + t.shape) if t.dim() == 1 else t.unsqueeze(1) if t.dim() == 2 else t
+
+
+def _gated_grads(grad_h, x, gate):
+    """Grads of ``residual + x * gate`` for x and gate, given the grad of the sum."""
+    grad_x = (_bsd(grad_h) * _bsd(gate)).reshape(x.shape)
+    grad_gate = (_bsd(grad_h) * _bsd(x)).sum_to_size(_bsd(gate).shape).reshape(gate.shape)
+    return grad_x, grad_gate
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps, weight_offset, cast_before_weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args = (eps, weight_offset, cast_before_weight)
+
+
+def _rms_norm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_weight = ops.rms_norm_backward(grad.contiguous(), x, weight, *ctx.args, None)
+    return grad_x, grad_weight if weight is not None else None, None, None, None, None
+
+
+def _fused_add_setup(ctx, inputs, output):
+    _, _, weight, eps, weight_offset, cast_before_weight = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.args = (eps, weight_offset, cast_before_weight)
+
+
+def _fused_add_backward(ctx, grad_out, grad_sum):
+    total, weight = ctx.saved_tensors
+    grad_total, grad_weight = ops.rms_norm_backward(grad_out.contiguous(), total, weight, *ctx.args,
+                                                    grad_sum.contiguous())
+    return grad_total, grad_total, grad_weight if weight is not None else None, None, None, None
+
+
+def _adaln_setup(ctx, inputs, output):
+    x, scale, shift, eps, norm = inputs
+    ctx.save_for_backward(x, scale, shift)
+    ctx.args = (eps, norm)
+
+
+def _adaln_backward(ctx, grad):
+    x, scale, shift = ctx.saved_tensors
+    grad_x, grad_scale, grad_shift = ops.adaln_backward(grad.contiguous(), x, scale, shift, *ctx.args, None)
+    return grad_x, grad_scale, grad_shift, None, None
+
+
+def _gated_residual_setup(ctx, inputs, output):
+    _, x, gate = inputs
+    ctx.save_for_backward(x, gate)
+
+
+def _gated_residual_backward(ctx, grad):
+    x, gate = ctx.saved_tensors
+    return (grad, *_gated_grads(grad, x, gate))
+
+
+def _gated_residual_adaln_setup(ctx, inputs, output):
+    _, x, gate, scale, shift, eps, norm = inputs
+    ctx.save_for_backward(x, gate, scale, shift, output[0])
+    ctx.args = (eps, norm)
+
+
+def _gated_residual_adaln_backward(ctx, grad_sum, grad_out):
+    x, gate, scale, shift, total = ctx.saved_tensors
+    grad_total, grad_scale, grad_shift = ops.adaln_backward(grad_out.contiguous(), total, scale, shift, *ctx.args,
+                                                            grad_sum.contiguous())
+    return (grad_total, *_gated_grads(grad_total, x, gate), grad_scale, grad_shift, None, None)
+
+
+register_autograd("rms_norm", _rms_norm_backward, _rms_norm_setup)
+register_autograd("fused_add_rms_norm", _fused_add_backward, _fused_add_setup)
+register_autograd("adaln", _adaln_backward, _adaln_setup)
+register_autograd("gated_residual", _gated_residual_backward, _gated_residual_setup)
+register_autograd("gated_residual_adaln", _gated_residual_adaln_backward, _gated_residual_adaln_setup)

@@ -1,0 +1,18 @@
+"""Shared glue between the functional API and torch.autograd."""
+
+import torch
+
+from ._ops import add_op_namespace_prefix
+
+
+def register_autograd(op: str, backward, setup_context) -> None:
+    torch.library.register_autograd(add_op_namespace_prefix(op), backward, setup_context=setup_context)
+
+
+def check_no_grad(op: str, *tensors) -> None:
+    """out= and in-place forms write into given tensors and have no backward: refuse them
+    when autograd would need one, rather than return a result without a gradient."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{op}: the out= / in-place form does not support autograd; call it without out= (or under torch.no_grad())"
+        )
