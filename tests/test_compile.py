@@ -17,9 +17,13 @@ def _cases(device):
     lq, lk = torch.randn(2, 6, 64, **bf16), torch.randn(2, 6, 64, **bf16)
     lcos, lsin = torch.randn(2, 6, 64, device=device), torch.randn(2, 6, 64, device=device)
     e = torch.empty_like
+
+    def g(t):  # a fresh leaf that requires grad
+        return t.detach().clone().requires_grad_()
+
     return {
         "rms_norm": (x, w, 1e-6, 0.0, False, None),
-        "rms_norm_fp32_out": (x, w.float(), 1e-6, 0.0, True, torch.float32),
+        "rms_norm:fp32_out": (x, w.float(), 1e-6, 0.0, True, torch.float32),
         "rms_norm_out": (e(x), x, w, 1e-6, 1.0, False),
         "fused_add_rms_norm": (x, x.clone(), w, 1e-6, 0.0, True),
         "fused_add_rms_norm_out": (e(x), e(x), x, x.clone(), None, 1e-6, 0.0, False),
@@ -40,20 +44,40 @@ def _cases(device):
         "gelu_mul_out": (e(x), x, x.clone(), "tanh"),
         "geglu": (x, "none"),
         "geglu_out": (torch.empty(2, 6, 32, **bf16), x, "tanh"),
+        # Backward ops, and functional ops on inputs that require grad (opcheck then also
+        # checks that their autograd formula is registered).
+        "rms_norm_backward": (x, x.clone(), w, 1e-6, 0.0, False, None),
+        "rms_norm_backward:fp32_grad_and_extra": (x.float(), x, w.float(), 1e-6, 1.0, True, x.clone()),
+        "adaln_backward": (x, x.clone(), mod, mod.clone(), 1e-6, "layer", None),
+        "adaln_backward:per_token": (x, x.clone(), x.clone(), x.clone(), 1e-6, "rms", x.clone()),
+        "rope_backward": (q, k, cos, sin, True, 2),
+        "gelu_backward": (x, x.clone(), "tanh"),
+        "gelu_mul_backward": (x, x.clone(), x.clone(), "none"),
+        "geglu_backward": (torch.randn(2, 6, 32, **bf16), x, "none"),
+        "rms_norm:grad": (g(x), g(w), 1e-6, 0.0, False, None),
+        "fused_add_rms_norm:grad": (g(x), g(x), g(w), 1e-6, 0.0, True),
+        "adaln:grad": (g(x), g(mod), g(mod), 1e-6, "rms"),
+        "gated_residual:grad": (g(x), g(x), g(mod)),
+        "gated_residual_adaln:grad": (g(x), g(x), g(mod), g(mod), g(mod), 1e-6, "layer"),
+        "rope:grad": (g(q), g(k), cos, sin, True, 2),
+        "qk_norm_rope:grad": (g(lq), g(lk), g(w), g(w), lcos, lsin, 1e-5),
+        "gelu:grad": (g(x), "none"),
+        "gelu_mul:grad": (g(x), g(x), "tanh"),
+        "geglu:grad": (g(x), "tanh"),
     }
 
 
 @pytest.mark.parametrize("case", list(_cases("cpu")))
 def test_opcheck(kernel, device, case):
     args = _cases(device)[case]
-    op = getattr(kernel.ops, case.replace("_fp32_out", "")).default
+    op = getattr(kernel.ops, case.split(":")[0]).default
     torch.library.opcheck(op, args)
 
 
 def test_every_op_is_opchecked(kernel):
     prefix = kernel.ops.name + "::"
     registered = {n[len(prefix):] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)}
-    checked = {name.replace("_fp32_out", "") for name in _cases("cpu")}
+    checked = {name.split(":")[0] for name in _cases("cpu")}
     assert len(registered) >= 20, registered
     assert registered == checked, f"ops without an opcheck case: {registered - checked}"
 
@@ -90,3 +114,20 @@ def test_compile_fullgraph_matches_eager_without_recompiles(kernel, device):
         for _ in range(3):  # new values, one shape: one compile
             inputs = _model_inputs(device)
             torch.testing.assert_close(compiled(*inputs), block(*inputs), rtol=1e-4, atol=1e-3)
+
+
+def test_compile_fullgraph_backward_matches_eager(kernel, device):
+    """Training through torch.compile: AOT autograd traces the registered backward
+    formulas (fake impls of the backward ops included) in one graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block = _model(kernel)
+    compiled = torch.compile(block, fullgraph=True)
+    tables = {8, 9, 10, 11}  # cos, sin, lcos, lsin: constants
+    inputs = [t if i in tables else t.requires_grad_() for i, t in enumerate(_model_inputs(device))]
+    leaves = [t for i, t in enumerate(inputs) if i not in tables]
+    got = torch.autograd.grad(compiled(*inputs), leaves)
+    want = torch.autograd.grad(block(*inputs), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)

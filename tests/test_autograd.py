@@ -1,0 +1,211 @@
+"""Autograd: the gradients of every differentiable op match the fp64 autograd of the
+reference math (tests/reference.py), on every (variant, device) target and dtype. Shapes
+cover the CUDA backward's paths: vector and scalar rows, rows split into column slices,
+many row blocks (partial column sums), per-row and broadcast modulation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reference import adaln_ref, rms_norm_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Worst error of a grad vs the fp64 reference, relative to the reference's largest
+# magnitude: one rounding of every input and of the grad itself, plus fp32 sums.
+GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _leaves(device, dtype, *shapes):
+    return [torch.randn(*s, device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _assert_grads_match(ours, reference, inputs, dtype):
+    """Backprop the same random cotangents through both; compare the grads of `inputs`."""
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    cotangents = [torch.randn_like(o) for o in ours]
+    got = torch.autograd.grad(ours, inputs, cotangents)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref = reference(*inputs64)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    expected = torch.autograd.grad(ref, inputs64, [c.double() for c in cotangents])
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.dtype == inputs[i].dtype and g.shape == inputs[i].shape, (i, g.dtype, g.shape)
+        err = (g.double() - e).abs().max().item()
+        bound = GRAD_RTOL[dtype] * max(e.abs().max().item(), 1e-3)
+        assert err <= bound, f"grad {i}: max error {err:.3g} > {bound:.3g}"
+
+
+RMS_SHAPES = [(3, 5, 64), (3000, 64), (4, 4100), (2, 12288)]
+
+
+@pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_grads(kernel, device, shape, dtype):
+    x, w = _leaves(device, dtype, shape, shape[-1:])
+    _assert_grads_match(kernel.rms_norm(x, w, 1e-6), lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_grads_fp32_weight_and_out(kernel, device, dtype):
+    """The Llama order with an fp32 weight: grads of an fp32 output, to an fp32 weight."""
+    (x,) = _leaves(device, dtype, (6, 256))
+    w = torch.randn(256, device=device).requires_grad_()
+    y = kernel.rms_norm(x, w, 1e-6, cast_before_weight=True, out_dtype=torch.float32)
+    _assert_grads_match(y, lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_grads_without_weight_and_with_offset(kernel, device, dtype):
+    x, w = _leaves(device, dtype, (9, 96), (96,))
+    _assert_grads_match(kernel.rms_norm(x, None, 1e-5), lambda x: rms_norm_ref(x, None, 1e-5), [x], dtype)
+    y = kernel.rms_norm(x, w, 1e-5, weight_offset=1.0)
+    _assert_grads_match(y, lambda x, w: rms_norm_ref(x, w, 1e-5, weight_offset=1.0), [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_grads(kernel, device, dtype):
+    x, r, w = _leaves(device, dtype, (2, 7, 128), (2, 7, 128), (128,))
+
+    def reference(x, r, w):
+        h = x + r
+        return rms_norm_ref(h, w, 1e-6), h
+
+    _assert_grads_match(kernel.fused_add_rms_norm(x, r, w, 1e-6), reference, [x, r, w], dtype)
+
+
+MOD_SHAPES = {"per-batch": (2, 1, 64), "per-batch-2d": (2, 64), "shared": (64,), "per-token": (2, 300, 64)}
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("mod", list(MOD_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adaln_grads(kernel, device, norm, mod, dtype):
+    x, scale, shift = _leaves(device, dtype, (2, 300, 64), MOD_SHAPES[mod], MOD_SHAPES[mod])
+    y = kernel.adaln(x, scale, shift, 1e-6, norm=norm)
+    _assert_grads_match(y, lambda x, s, t: adaln_ref(x, s, t, 1e-6, norm), [x, scale, shift], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adaln_grads_wide_rows_and_chunk_views(kernel, device, dtype):
+    """Rows wider than one CUDA slice; scale/shift as strided chunks of one embedding."""
+    (x,) = _leaves(device, dtype, (2, 3, 9000))
+    emb = torch.randn(2, 1, 2 * 9000, device=device, dtype=dtype).requires_grad_()
+    scale, shift = emb.chunk(2, dim=-1)
+    y = kernel.adaln(x, scale, shift, 1e-6, norm="layer")
+    _assert_grads_match(y, lambda x, e: adaln_ref(x, *e.chunk(2, dim=-1), 1e-6, "layer"), [x, emb], dtype)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
+    r, x, gate, scale, shift = _leaves(device, dtype, (2, 40, 64), (2, 40, 64), (2, 1, 64), (2, 64), (2, 64))
+
+    def reference(r, x, gate, scale, shift):
+        h = r + x * gate
+        return h, adaln_ref(h, scale, shift, 1e-6, norm)
+
+    ours = kernel.gated_residual_adaln(r, x, gate, scale, shift, 1e-6, norm=norm)
+    _assert_grads_match(ours, reference, [r, x, gate, scale, shift], dtype)
+
+
+@pytest.mark.parametrize("gate_shape", [(2, 1, 64), (2, 64), (64,), (2, 10, 64)], ids=str)
+def test_gated_residual_grads(kernel, device, gate_shape):
+    r, x, gate = _leaves(device, torch.float32, (2, 10, 64), (2, 10, 64), gate_shape)
+    bcast = (lambda g: g[:, None]) if len(gate_shape) == 2 else (lambda g: g)
+    _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * bcast(g), [r, x, gate],
+                        torch.float32)
+
+
+def _rotate_half_ref(cos, sin):
+    def rotate(x):
+        r = cos.shape[-1]
+        x1, x2, rest = x[..., : r // 2], x[..., r // 2 : r], x[..., r:]
+        return torch.cat([x[..., :r] * cos.double() + torch.cat([-x2, x1], -1) * sin.double(), rest], -1)
+    return rotate
+
+
+def _interleaved_ref(cos, sin):
+    def rotate(x):
+        even, odd = x[..., 0::2], x[..., 1::2]
+        c, s = cos.double(), sin.double()
+        return torch.stack([even * c[..., 0::2] - odd * s[..., 0::2], odd * c[..., 1::2] + even * s[..., 1::2]],
+                           -1).flatten(-2)
+    return rotate
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial-rotary"])
+def test_rope_rotate_half_grads(kernel, device, dtype, partial):
+    """GQA q/k as transposed views of [B, S, H, D]; tables [S, R] with distinct halves (the
+    backward must pair sines as the transpose does, not merely negate them)."""
+    qs, ks = (torch.randn(2, 6, 4, 32, device=device, dtype=dtype), torch.randn(2, 6, 2, 32, device=device, dtype=dtype))
+    q, k = qs.transpose(1, 2).requires_grad_(), ks.transpose(1, 2).requires_grad_()
+    r = 16 if partial else 32
+    cos, sin = torch.randn(6, r, device=device), torch.randn(6, r, device=device)
+    rot = _rotate_half_ref(cos, sin)
+    _assert_grads_match(kernel.rope_rotate_half(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_interleaved_grads(kernel, device, dtype):
+    q, k = _leaves(device, dtype, (2, 12, 64), (2, 12, 64))
+    cos, sin = torch.randn(2, 12, 64, device=device), torch.randn(2, 12, 64, device=device)
+    rot = _interleaved_ref(cos, sin)
+    _assert_grads_match(kernel.rope_interleaved(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
+
+
+def test_rope_refuses_table_grads(kernel, device):
+    q, k = _leaves(device, torch.float32, (1, 4, 8), (1, 4, 8))
+    cos = torch.randn(4, 8, device=device, requires_grad=True)
+    q2, _ = kernel.rope_interleaved(q, k, cos, torch.randn(4, 8, device=device))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        q2.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_rope_grads(kernel, device, dtype):
+    q, k, wq, wk = _leaves(device, dtype, (2, 10, 128), (2, 10, 128), (128,), (128,))
+    cos, sin = torch.randn(10, 128, device=device), torch.randn(10, 128, device=device)
+    rot = _interleaved_ref(cos, sin)
+
+    def reference(q, k, wq, wk):
+        return rot(rms_norm_ref(q, wq, 1e-5)), rot(rms_norm_ref(k, wk, 1e-5))
+
+    _assert_grads_match(kernel.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5), reference, [q, k, wq, wk], dtype)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_activation_grads(kernel, device, approximate, dtype):
+    x, gate, up = _leaves(device, dtype, (5, 3, 66), (7, 130), (7, 130))
+    _assert_grads_match(kernel.gelu(x, approximate), lambda x: F.gelu(x, approximate=approximate), [x], dtype)
+    _assert_grads_match(kernel.gelu_mul(gate, up, approximate),
+                        lambda g, u: F.gelu(g, approximate=approximate) * u, [gate, up], dtype)
+
+    def geglu_ref(x):
+        value, g = x.chunk(2, -1)
+        return value * F.gelu(g, approximate=approximate)
+
+    _assert_grads_match(kernel.geglu(x, approximate), geglu_ref, [x], dtype)
+
+
+def test_out_forms_refuse_autograd(kernel, device):
+    x, w = _leaves(device, torch.float32, (2, 8), (8,))
+    with pytest.raises(RuntimeError, match="does not support autograd"):
+        kernel.rms_norm(x, w, out=torch.empty(2, 8, device=device))
+    with pytest.raises(RuntimeError, match="does not support autograd"):
+        kernel.rope_interleaved(x[None], x[None], torch.ones(2, 8, device=device), torch.zeros(2, 8, device=device),
+                                inplace=True)
+    with torch.no_grad():
+        kernel.rms_norm(x, w, out=torch.empty(2, 8, device=device))
+
+
+def test_column_grads_are_deterministic(kernel, device):
+    """The weight and scale grads sum many rows: bit-identical run to run."""
+    x, w = _leaves(device, torch.bfloat16, (4096, 256), (256,))
+    g = torch.randn(4096, 256, device=device, dtype=torch.bfloat16)
+    first = torch.autograd.grad(kernel.rms_norm(x, w, 1e-6), (x, w), g)
+    for _ in range(3):
+        again = torch.autograd.grad(kernel.rms_norm(x, w, 1e-6), (x, w), g)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
