@@ -21,6 +21,7 @@ import argparse
 import datetime
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import re
 import sys
@@ -382,12 +383,15 @@ def to_fp64(obj):
     return obj
 
 
-def fresh_grad_outputs(case: Case, inputs: tuple) -> tuple:
-    """The check call's own copy of the output gradients: Liger's backward overwrites them."""
-    if not case.grad_argnums:
-        return inputs
-    leaves, grad_outputs = inputs
-    return leaves, tuple(g.clone() for g in grad_outputs)
+def private_copy(obj):
+    """A copy of an input set, strides kept, for one implementation's checked call: Liger's
+    RoPE rotates its inputs in place and its RMSNorm backward overwrites the output
+    gradients, which would skew the error of every implementation checked after it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone().requires_grad_(obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(private_copy(o) for o in obj)
+    return obj
 
 
 def max_error(actual, expected) -> float:
@@ -439,7 +443,7 @@ class Runner:
         rows = []
         for name, fn in case.impls.items():
             try:
-                err = max_error(fn(*fresh_grad_outputs(case, sets[0])), expected)
+                err = max_error(fn(*private_copy(sets[0])), expected)
                 kernel_us, eager_us = self.time(fn, sets, calls)
             except Exception as e:  # a peer without this layout, dtype or autograd
                 rows.append(self.skip(case, name, e))
@@ -550,17 +554,20 @@ def main():
     warnings.filterwarnings("ignore", message=".*autograd kernel was not registered")
     if on_cuda and not torch.cuda.is_available():
         sys.exit("bench_ops: needs a CUDA GPU (or --smoke for the CPU)")
+    device_name = torch.cuda.get_device_name() if on_cuda else "CPU (smoke)"
+    if not (args.json or args.plot or args.markdown or args.smoke):
+        stem = default_stem(args, device_name)
+        args.json, args.plot, args.markdown = (stem.with_suffix(s) for s in (".json", ".png", ".md"))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("bench_ops: matplotlib is not installed: no plot (JSON and table as usual)", flush=True)
+        args.plot = None
     from kernels import get_local_kernel
 
     ltx = get_local_kernel(REPO)
     libs = load_libraries(on_cuda)
     cases = select(CaseBuilder(ltx, libs, "cuda" if on_cuda else "cpu", SMOKE if args.smoke else ISSUE_4).build(),
                    args)
-    device_name = torch.cuda.get_device_name() if on_cuda else "CPU (smoke)"
     copy_gbs = harness.copy_bandwidth_gbs() if on_cuda else harness.cpu_copy_bandwidth_gbs()
-    if not (args.json or args.plot or args.markdown or args.smoke):
-        stem = default_stem(args, device_name)
-        args.json, args.plot, args.markdown = (stem.with_suffix(s) for s in (".json", ".png", ".md"))
 
     runner = Runner(on_cuda, copy_gbs)
     versions = library_versions()
@@ -581,20 +588,23 @@ def main():
                   kernel_build=ltx.__name__, versions=versions, copy_gbs=copy_gbs,
                   timing="cuda-graph kernel + eager" if on_cuda else "cpu eager (smoke)",
                   peers_missing=libs.missing, results=runner.rows, skipped=runner.skipped)
-    for path in (args.json, args.plot, args.markdown):
-        if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
+    write_outputs(args, report, runner.lines)
+
+
+def write_outputs(args, report: dict, lines: List[str]):
+    written = [path for path in (args.json, args.markdown, args.plot) if path]
+    for path in written:
+        path.parent.mkdir(parents=True, exist_ok=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     if args.markdown:
-        args.markdown.write_text("\n".join(runner.lines) + "\n")
+        args.markdown.write_text("\n".join(lines) + "\n")
     if args.plot:
         import plot  # matplotlib only when a plot is asked for
 
         plot.save_copy_bandwidth_plot(report, args.plot)
-    written = [str(p) for p in (args.json, args.plot, args.markdown) if p]
     if written:
-        print("wrote " + ", ".join(written))
+        print("wrote " + ", ".join(map(str, written)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 """The PNG of a bench_ops run: % of the copy bandwidth per op and shape, one series of
 dots per implementation, one row per shape (ops shaded in bands), so a run of 50+ shapes
-stays readable and a gap to the roofline shows at a glance."""
+stays readable and a gap to the roofline shows at a glance.
 
+    python benchmarks/plot.py part1.json part2.json -o all.png   # one plot of split runs
+"""
+
+import argparse
+import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -59,3 +64,18 @@ def save_copy_bandwidth_plot(report: dict, path: Path) -> None:
     fig.legend(loc="outside lower center", ncol=len(series), frameon=False, fontsize=9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Plot bench_ops JSON reports (split runs merge into one plot).")
+    parser.add_argument("reports", type=Path, nargs="+")
+    parser.add_argument("-o", "--output", type=Path, required=True)
+    args = parser.parse_args()
+    reports = [json.loads(path.read_text()) for path in args.reports]
+    # Each row's % of copy bandwidth is against its own run's copy; the axis names the first.
+    merged = {**reports[0], "results": [row for report in reports for row in report["results"]]}
+    save_copy_bandwidth_plot(merged, args.output)
+
+
+if __name__ == "__main__":
+    main()
