@@ -1,282 +1,610 @@
-"""Every op against its peers on the model shapes it serves: our kernel, the PyTorch eager
-code the host library runs, torch.compile of that code (dynamic=False), F.rms_norm where
-it applies, and Liger-Kernel where it has the op (skipped when not installed).
+"""Every op against its peers on the model shapes it serves: our kernel ("ltx"), the
+PyTorch eager code the host library runs ("eager", also the reference), torch.compile of
+that code (dynamic=False), F.rms_norm where it applies, Liger-Kernel and quack where they
+have the op (each skipped, with the reason, when it is not importable or fails).
 
-    python benchmarks/bench_ops.py [--quick] [--ops rms_norm,rope,...] [--json out.json]
+    python benchmarks/bench_ops.py                  # everything: table, JSON, PNG, Markdown
+    python benchmarks/bench_ops.py --quick          # a representative subset (< 2 min, H200)
+    python benchmarks/bench_ops.py --ops rms_norm,geglu --json r.json --plot r.png
+    python benchmarks/bench_ops.py --backward       # adds forward+backward rows (large shapes)
+    python benchmarks/bench_ops.py --smoke          # tiny shapes on the CPU: proves it runs
 
-Prints a Markdown table: kernel time (CUDA graph, cold L2, median), eager call time, the
-bytes an op must move, GB/s and % of the copy bandwidth measured in the same run, and the
-max abs error against an fp64 evaluation of the eager code.
+Columns: kernel time (CUDA-graph replay, cold L2, median), eager call time (Python calls
+back to back over the same rotated inputs, median), the bytes an op must move, GB/s and %
+of the copy bandwidth measured in the same run (from kernel time), ltx's time over the
+fastest peer's (kernel and eager; <= 1.03 meets issue 4's target), and the max abs error
+against an fp64 evaluation of the eager code. With no output flag (and not --smoke) the
+JSON, PNG and Markdown go to benchmarks/results/<date>-<gpu>-<mode>.*.
 """
 
 import argparse
+import datetime
+import importlib
+import importlib.metadata
+import importlib.util
 import json
+import re
 import sys
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import copies_for_cold_l2, copy_bandwidth_gbs, eager_time_us, graph_time_us  # noqa: E402
+import harness  # noqa: E402
+import references as ref  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-BF16 = torch.bfloat16
+RESULTS = REPO / "benchmarks" / "results"
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+PEER_LIBRARIES = {"liger": "liger_kernel.ops", "quack": "quack", "quack.rotary": "quack.rotary"}
+
+
+# --- shapes -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The shapes of a run, per op family. ``quick`` names (family, shape) pairs that
+    --quick keeps (bf16); ``backward`` those that --backward times forward+backward."""
+
+    rms_norm: Sequence[Tuple[int, int]]  # (rows, D), weighted; bf16, fp16 and fp32
+    rms_norm_no_weight: Sequence[Tuple[int, int]]  # LTX's norm1/norm2; bf16, fp16, fp32
+    adaln: Sequence[Tuple[int, int, int, bool]]  # (B, S, D, per-token scale/shift)
+    gated_residual_adaln: Sequence[Tuple[int, int, int]]  # (B, S, D), [B,1,D] gate/scale/shift
+    rope_rotate_half: Sequence[Tuple[int, int, int, int, int]]  # (B, Hq, Hkv, S, D)
+    rope_ltx: Sequence[Tuple[int, int, int]]  # (B, S, C): rope_interleaved and qk_norm_rope
+    geglu: Sequence[Tuple[int, int]]  # (rows, H): input [rows, 2H]
+    gelu_tanh: Sequence[Tuple[int, ...]]
+    gelu_mul: Sequence[Tuple[int, int]]
+    quick: frozenset = frozenset()
+    backward: frozenset = frozenset()
+
+
+ISSUE_4 = Shapes(
+    rms_norm=[(1024, 2048), (128, 4096), (4096, 4096), (8192, 4096), (32768, 4096), (32768, 8192),
+              (648720, 128), (8192, 1536), (8192, 65536)],
+    rms_norm_no_weight=[(5376, 2048)],
+    adaln=[(2, 2688, 2048, False), (2, 21504, 2048, False), (2, 2688, 2048, True)],
+    gated_residual_adaln=[(2, 2688, 2048), (2, 21504, 2048)],
+    rope_rotate_half=[(1, 32, 8, 8192, 128), (1, 32, 8, 128, 128), (4, 32, 8, 4096, 128)],
+    rope_ltx=[(2, 2688, 2048), (2, 21504, 2048)],
+    geglu=[(8192, 5120), (5376, 8192), (8192, 16384)],
+    gelu_tanh=[(2, 2688, 8192)],
+    gelu_mul=[(8192, 12288)],  # Gemma MLP (not in issue 4; a Liger peer exists)
+    quick=frozenset({
+        ("rms_norm", (128, 4096)), ("rms_norm", (8192, 4096)), ("rms_norm", (648720, 128)),
+        ("adaln", (2, 2688, 2048, False)), ("gated_residual_adaln", (2, 2688, 2048)),
+        ("rope_rotate_half", (1, 32, 8, 8192, 128)), ("rope_rotate_half", (1, 32, 8, 128, 128)),
+        ("rope_ltx", (2, 2688, 2048)), ("geglu", (8192, 5120)), ("gelu_tanh", (2, 2688, 8192)),
+    }),
+    backward=frozenset({
+        ("rms_norm", (8192, 4096)), ("rms_norm", (32768, 4096)), ("adaln", (2, 21504, 2048, False)),
+        ("rope_rotate_half", (1, 32, 8, 8192, 128)), ("rope_ltx", (2, 21504, 2048)),
+        ("geglu", (8192, 16384)), ("gelu_tanh", (2, 2688, 8192)),
+    }),
+)
+
+SMOKE = Shapes(
+    rms_norm=[(4, 64), (3, 40)],
+    rms_norm_no_weight=[(5, 32)],
+    adaln=[(2, 3, 64, False), (2, 3, 64, True)],
+    gated_residual_adaln=[(2, 3, 64)],
+    rope_rotate_half=[(1, 4, 2, 6, 16)],
+    rope_ltx=[(2, 5, 32)],
+    geglu=[(4, 24)],
+    gelu_tanh=[(2, 3, 16)],
+    gelu_mul=[(4, 24)],
+    backward=frozenset({("rms_norm", (4, 64)), ("adaln", (2, 3, 64, False)), ("rope_rotate_half", (1, 4, 2, 6, 16)),
+                        ("rope_ltx", (2, 5, 32)), ("geglu", (4, 24)), ("gelu_tanh", (2, 3, 16))}),
+)
+
+
+# --- peers --------------------------------------------------------------------------------
+
+
+@dataclass
+class Libraries:
+    """The optional peer libraries: imported modules, and why the others are missing."""
+
+    modules: Dict[str, object] = field(default_factory=dict)
+    missing: Dict[str, str] = field(default_factory=dict)
+
+    def attr(self, library: str, name: str) -> Optional[Callable]:
+        return getattr(self.modules.get(library), name, None)
+
+
+def load_libraries(on_cuda: bool) -> Libraries:
+    libs = Libraries()
+    for key, module in PEER_LIBRARIES.items():
+        if not on_cuda:
+            libs.missing[key] = "needs CUDA"
+            continue
+        try:
+            libs.modules[key] = importlib.import_module(module)
+        except Exception as e:  # not installed, or fails to start here (driver, CUDA toolkit)
+            libs.missing[key] = f"{type(e).__name__}: {first_line(e)}"
+    return libs
+
+
+def library_versions() -> Dict[str, str]:
+    versions = {"torch": torch.__version__}
+    for dist in ("liger-kernel", "quack-kernels", "triton", "kernels"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+# --- cases --------------------------------------------------------------------------------
 
 
 @dataclass
 class Case:
-    """One op at one shape: inputs(), the implementations ("eager" is also the reference),
-    and the bytes a call must move."""
+    """One op at one shape. ``inputs()`` makes one input set on the run's device;
+    ``impls`` maps a name to a callable on an input set ("eager" is also the reference).
+    A forward+backward case has ``grad_argnums`` (inputs that get gradients; its input
+    set is ``(inputs, grad_outputs)``) and ``backward_reads`` (inputs the backward reads
+    again, for the byte count)."""
 
     op: str
     shape: str
     inputs: Callable[[], tuple]
     impls: Dict[str, Callable]
-    nbytes: int
     quick: bool = False
+    grad_argnums: Tuple[int, ...] = ()
+    backward_reads: Tuple[int, ...] = ()
 
 
-def size_of(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def flatten(obj) -> List[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in flatten(o)]
+    return []
 
 
-# --- eager references, as the host libraries write them -----------------------------------
+def size_of(obj) -> int:
+    return sum(t.numel() * t.element_size() for t in flatten(obj))
 
 
-def llama_rms_norm(x, w, eps=1e-6):
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
+def as_tuple(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
-def diffusers_rms_norm(x, eps=1e-6):
-    h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return h.to(x.dtype)
+def bytes_moved(case: Case, inputs: tuple, expected) -> int:
+    """Each input read once, each output written once; forward+backward adds the output
+    gradients read, the input gradients written and what the backward re-reads."""
+    if not case.grad_argnums:
+        return size_of(inputs) + sum(t.numel() for t in flatten(expected)) * flatten(inputs)[0].element_size()
+    leaves, grad_outputs = inputs
+    forward = size_of(leaves) + size_of(grad_outputs)  # outputs are the grad_outputs' sizes
+    backward = (size_of(grad_outputs) + size_of([leaves[i] for i in case.grad_argnums])
+                + size_of([leaves[i] for i in case.backward_reads]))
+    return forward + backward
 
 
-def adaln_eager(norm):
-    def run(x, scale, shift):
-        n = diffusers_rms_norm(x) if norm == "rms" else F.layer_norm(x, x.shape[-1:], eps=1e-6)
-        return n * (1 + scale) + shift
+def forward_backward(fn: Callable, grad_argnums: Tuple[int, ...]) -> Callable:
+    def run(inputs, grad_outputs):
+        outputs = as_tuple(fn(*inputs))
+        # autograd.grad (not .backward) raises when an op has no autograd kernel, where
+        # .backward would warn and leave the gradient None.
+        try:
+            return torch.autograd.grad(outputs, [inputs[i] for i in grad_argnums], grad_outputs)
+        except RuntimeError as e:
+            if "not have been used in the graph" in str(e) or "does not require grad" in str(e):
+                raise RuntimeError("no autograd for this op (no gradient reaches its inputs)") from e
+            raise
     return run
 
 
-def gated_adaln_eager(norm):
-    def run(res, x, gate, scale, shift):
-        h = res + x * gate
-        return h, adaln_eager(norm)(h, scale, shift)
-    return run
+def with_backward(case: Case, grad_argnums: Tuple[int, ...], backward_reads: Tuple[int, ...]) -> Case:
+    forward_inputs, eager = case.inputs, case.impls["eager"]
+
+    def inputs():
+        args = forward_inputs()
+        for i in grad_argnums:
+            args[i].requires_grad_()
+        with torch.no_grad():
+            grad_outputs = tuple(torch.randn_like(o) for o in as_tuple(eager(*args)))
+        return args, grad_outputs
+
+    impls = {name: forward_backward(fn, grad_argnums) for name, fn in case.impls.items()}
+    return Case(case.op + " fwd+bwd", case.shape, inputs, impls, False, grad_argnums, backward_reads)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class CaseBuilder:
+    """Builds the cases of a run: one device, one set of peer libraries, the ltx module."""
+
+    def __init__(self, ltx, libs: Libraries, device: str, shapes: Shapes):
+        self.ltx, self.libs, self.device, self.shapes = ltx, libs, device, shapes
+        self.cases: List[Case] = []
+
+    def randn(self, *shape, dtype=BF16, scale=1.0) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, dtype=dtype) * scale
+
+    def peers(self, eager: Callable, **others: Optional[Callable]) -> Dict[str, Callable]:
+        # On the CPU (smoke) dynamo only traces: inductor's C++ codegen takes minutes there.
+        backend = "inductor" if self.device == "cuda" else "eager"
+        impls = {"eager": eager, "compile": torch.compile(eager, dynamic=False, backend=backend)}
+        impls.update({name: fn for name, fn in others.items() if fn})  # None/False: library or layout missing
+        impls["ltx"] = impls.pop("ltx")  # last, after the peers it is compared with
+        return impls
+
+    def add(self, family: str, key: tuple, op: str, shape: str, inputs: Callable, impls: Dict[str, Callable],
+            grad_argnums: Tuple[int, ...] = (), backward_reads: Tuple[int, ...] = (), dtype=BF16):
+        case = Case(op, shape, inputs, impls, quick=dtype == BF16 and (family, key) in self.shapes.quick)
+        self.cases.append(case)
+        if grad_argnums and dtype == BF16 and (family, key) in self.shapes.backward:
+            self.cases.append(with_backward(case, grad_argnums, backward_reads))
+
+    def build(self) -> List[Case]:
+        self.rms_norm()
+        self.adaln()
+        self.rope()
+        self.activations()
+        return self.cases
+
+    def rms_norm(self):
+        ltx, liger = self.ltx, self.libs.attr("liger", "LigerRMSNormFunction")
+        quack = self.libs.attr("quack", "rmsnorm")
+        for dtype in (BF16, FP16, FP32):
+            for rows, d in self.shapes.rms_norm:
+                def inputs(rows=rows, d=d, dtype=dtype):
+                    return self.randn(rows, d, dtype=dtype), 1 + self.randn(d, dtype=dtype, scale=0.1)
+                impls = self.peers(
+                    ref.llama_rms_norm,
+                    **{"F.rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6),
+                       "liger": liger and (lambda x, w: liger.apply(x, w, 1e-6)),
+                       "quack": quack and (lambda x, w: quack(x, w, eps=1e-6)),
+                       "ltx": lambda x, w: ltx.rms_norm(x, w, 1e-6, cast_before_weight=True)})
+                self.add("rms_norm", (rows, d), "rms_norm", f"{rows}x{d} {dtype_name(dtype)}", inputs, impls,
+                         grad_argnums=(0, 1), backward_reads=(0, 1), dtype=dtype)
+            for rows, d in self.shapes.rms_norm_no_weight:
+                def inputs(rows=rows, d=d, dtype=dtype):
+                    return (self.randn(rows, d, dtype=dtype),)
+                impls = self.peers(
+                    ref.diffusers_rms_norm,
+                    **{"F.rms_norm": lambda x: F.rms_norm(x, x.shape[-1:], None, 1e-6),
+                       "liger": liger and (lambda x: liger.apply(x, None, 1e-6)),
+                       "quack": quack and (lambda x: quack(x, None, eps=1e-6)),
+                       "ltx": lambda x: ltx.rms_norm(x, None, 1e-6)})
+                self.add("rms_norm_no_weight", (rows, d), "rms_norm", f"{rows}x{d} {dtype_name(dtype)} no weight",
+                         inputs, impls, dtype=dtype)
+
+    def adaln(self):
+        ltx, liger = self.ltx, self.libs.attr("liger", "LigerModulatedRMSNormFunction")
+        for norm in ("rms", "layer"):
+            for b, s, d, per_token in self.shapes.adaln:
+                def inputs(b=b, s=s, d=d, per_token=per_token):
+                    mod = (b, s, d) if per_token else (b, 1, d)
+                    return self.randn(b, s, d), self.randn(*mod, scale=0.1), self.randn(*mod, scale=0.1)
+                others = {"ltx": lambda x, sc, sh, norm=norm: ltx.adaln(x, sc, sh, 1e-6, norm=norm)}
+                if norm == "rms":
+                    others["F.rms_norm"] = ref.adaln_with_torch_rms_norm
+                    others["liger"] = liger and (lambda x, sc, sh: liger.apply(x, None, sc, sh, 1e-6))
+                impls = self.peers(ref.adaln(norm), **others)
+                self.add("adaln", (b, s, d, per_token), f"adaln_{norm}",
+                         f"[{b},{s},{d}] scale/shift {'per-token' if per_token else f'[{b},1,{d}]'}", inputs, impls,
+                         grad_argnums=(0, 1, 2), backward_reads=(0, 1))
+            for b, s, d in self.shapes.gated_residual_adaln:
+                def inputs(b=b, s=s, d=d):
+                    return (self.randn(b, s, d), self.randn(b, s, d),
+                            *(self.randn(b, 1, d, scale=0.1) for _ in range(3)))
+                impls = self.peers(ref.gated_residual_adaln(norm),
+                                   ltx=lambda r, x, g, sc, sh, norm=norm: ltx.gated_residual_adaln(
+                                       r, x, g, sc, sh, 1e-6, norm=norm))
+                self.add("gated_residual_adaln", (b, s, d), f"gated_residual_adaln_{norm}",
+                         f"[{b},{s},{d}], [{b},1,{d}] gate/scale/shift", inputs, impls)
+
+    def rope(self):
+        ltx, liger = self.ltx, self.libs.attr("liger", "LigerRopeFunction")
+        quack_rotary = self.libs.attr("quack.rotary", "apply_rotary_emb")
+        for b, hq, hkv, s, d in self.shapes.rope_rotate_half:
+            def inputs(b=b, hq=hq, hkv=hkv, s=s, d=d):
+                # Views of [B, S, H, D] projections, as transformers' attention makes them.
+                q, k = (self.randn(b, s, h, d).transpose(1, 2) for h in (hq, hkv))
+                angle = torch.rand(b, s, d // 2, device=self.device)
+                table = torch.cat([angle, angle], -1)
+                return q, k, table.cos().to(BF16), table.sin().to(BF16)
+
+            def quack_rope(q, k, cos, sin):
+                # flash-attn layout: x [B, S, H, D], tables [S, D/2] shared by the batch (B = 1 only).
+                half = cos.shape[-1] // 2
+                return tuple(quack_rotary(x.transpose(1, 2), cos[0, :, :half], sin[0, :, :half]).transpose(1, 2)
+                             for x in (q, k))
+            impls = self.peers(ref.transformers_rope,
+                               liger=liger and (lambda q, k, c, sn: liger.apply(q, k, c, sn)),
+                               quack=quack_rotary and b == 1 and quack_rope,
+                               ltx=lambda q, k, c, sn: ltx.rope_rotate_half(q, k, c, sn))
+            self.add("rope_rotate_half", (b, hq, hkv, s, d), "rope_rotate_half",
+                     f"q[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}]", inputs, impls,
+                     grad_argnums=(0, 1), backward_reads=(2, 3))
+        for b, s, c in self.shapes.rope_ltx:
+            def inputs(b=b, s=s, c=c):
+                angle = torch.rand(b, s, c // 2, device=self.device).repeat_interleave(2, -1)
+                return self.randn(b, s, c), self.randn(b, s, c), angle.cos(), angle.sin()
+            self.add("rope_ltx", (b, s, c), "rope_interleaved", f"LTX q/k [{b},{s},{c}], fp32 tables", inputs,
+                     self.peers(ref.ltx_rope, ltx=lambda q, k, co, si: ltx.rope_interleaved(q, k, co, si)),
+                     grad_argnums=(0, 1), backward_reads=(2, 3))
+
+            def inputs_norm(b=b, s=s, c=c, rope_inputs=inputs):
+                q, k, cos, sin = rope_inputs()
+                weights = (1 + self.randn(c, scale=0.1) for _ in range(2))
+                return (q, k, *weights, cos, sin)
+            self.add("qk_norm_rope", (b, s, c), "qk_norm_rope", f"LTX q/k [{b},{s},{c}]", inputs_norm,
+                     self.peers(ref.ltx_qk_norm_rope,
+                                ltx=lambda q, k, wq, wk, co, si: ltx.qk_norm_rope(q, k, wq, wk, co, si, 1e-5)))
+
+    def activations(self):
+        ltx, liger = self.ltx, self.libs.attr("liger", "LigerGELUMulFunction")
+        for rows, h in self.shapes.geglu:
+            def inputs(rows=rows, h=h):
+                return (self.randn(rows, 2 * h),)
+            self.add("geglu", (rows, h), "geglu", f"[{rows}, 2x{h}]", inputs,
+                     self.peers(ref.diffusers_geglu, ltx=lambda x: ltx.geglu(x, "none")),
+                     grad_argnums=(0,), backward_reads=(0,))
+        for shape in self.shapes.gelu_tanh:
+            def inputs(shape=shape):
+                return (self.randn(*shape),)
+            self.add("gelu_tanh", shape, "gelu_tanh", "[" + ",".join(map(str, shape)) + "]", inputs,
+                     self.peers(ref.gelu_tanh, ltx=lambda x: ltx.gelu(x, "tanh")),
+                     grad_argnums=(0,), backward_reads=(0,))
+        for rows, d in self.shapes.gelu_mul:
+            def inputs(rows=rows, d=d):
+                return self.randn(rows, d), self.randn(rows, d)
+            self.add("gelu_mul", (rows, d), "gelu_mul", f"[{rows}, {d}] (Gemma MLP)", inputs,
+                     self.peers(ref.gemma_gelu_mul, liger=liger and (lambda g, u: liger.apply(g, u)),
+                                ltx=lambda g, u: ltx.gelu_mul(g, u, "tanh")))
 
 
-def transformers_rope(q, k, cos, sin):
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def ltx_rope_one(x, cos, sin):
-    real, imag = x.unflatten(2, (-1, 2)).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(2)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+# --- running ------------------------------------------------------------------------------
 
 
-def ltx_prologue(q, k, wq, wk, cos, sin):
-    q = F.rms_norm(q, q.shape[-1:], wq, 1e-5)
-    k = F.rms_norm(k, k.shape[-1:], wk, 1e-5)
-    return ltx_ropes(q, k, cos, sin)
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:160] if text else ""
 
 
-def ltx_ropes(q, k, cos, sin):
-    return ltx_rope_one(q, cos, sin), ltx_rope_one(k, cos, sin)
+def to_fp64(obj):
+    """fp64 copies of an input set (leaves keep requires_grad) for the reference."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().double().requires_grad_(obj.requires_grad) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_fp64(o) for o in obj)
+    return obj
 
 
-def diffusers_geglu(x):
-    value, gate = x.chunk(2, dim=-1)
-    return value * F.gelu(gate)
-
-
-def gelu_tanh(x):
-    return F.gelu(x, approximate="tanh")
-
-
-# --- the cases -------------------------------------------------------------------------------
-
-
-def liger():
-    try:
-        import liger_kernel.ops.geglu as lg
-        import liger_kernel.ops.rms_norm as lr
-        import liger_kernel.ops.rope as lrope
-        return lr, lrope, lg
-    except ImportError:
-        return None
-
-
-def peers(eager: Callable, **extra) -> Dict[str, Callable]:
-    impls = {"eager": eager, "compile": torch.compile(eager, dynamic=False)}
-    impls.update(extra)
-    return impls
-
-
-def cases(k) -> List[Case]:
-    lig = liger()
-    out: List[Case] = []
-
-    rms_shapes = [(1024, 2048), (128, 4096), (4096, 4096), (8192, 4096), (32768, 4096), (32768, 8192),
-                  (8192, 1536), (8192, 65536), (648720, 128)]
-    for rows, d in rms_shapes:
-        for dtype in (BF16, torch.float16, torch.float32):
-            def inputs(rows=rows, d=d, dtype=dtype):
-                return torch.randn(rows, d, device="cuda", dtype=dtype), torch.randn(d, device="cuda", dtype=dtype)
-            impls = peers(llama_rms_norm,
-                          **{"ltx": lambda x, w: k.rms_norm(x, w, 1e-6, cast_before_weight=True),
-                             "F.rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6)})
-            if lig:
-                impls["liger"] = lambda x, w: lig[0].LigerRMSNormFunction.apply(x, w, 1e-6)
-            e = torch.finfo(dtype).bits // 8
-            out.append(Case("rms_norm", f"{rows}x{d} {str(dtype)[6:]}", inputs, impls, (2 * rows * d + d) * e,
-                            quick=(rows, d) in ((128, 4096), (8192, 4096), (648720, 128)) and dtype == BF16))
-    def ltx_no_weight():
-        return (torch.randn(5376, 2048, device="cuda", dtype=BF16),)
-    out.append(Case("rms_norm", "5376x2048 bf16 no weight", ltx_no_weight,
-                    peers(diffusers_rms_norm, ltx=lambda x: k.rms_norm(x, None, 1e-6),
-                          **{"F.rms_norm": lambda x: F.rms_norm(x, x.shape[-1:], None, 1e-6)}),
-                    2 * 5376 * 2048 * 2))
-
-    for norm in ("rms", "layer"):
-        for b, s, per_token in ((2, 2688, False), (2, 21504, False), (2, 2688, True)):
-            d = 2048
-            def inputs(b=b, s=s, d=d, per_token=per_token):
-                m = (b, s, d) if per_token else (b, 1, d)
-                return (torch.randn(b, s, d, device="cuda", dtype=BF16),
-                        torch.randn(m, device="cuda", dtype=BF16), torch.randn(m, device="cuda", dtype=BF16))
-            mod = 2 * (b * s * d if per_token else b * d)
-            out.append(Case(f"adaln_{norm}", f"[{b},{s},{d}] {'per-token' if per_token else '[B,1,D]'}", inputs,
-                            peers(adaln_eager(norm), ltx=lambda x, sc, sh, norm=norm: k.adaln(x, sc, sh, 1e-6, norm=norm)),
-                            (2 * b * s * d + mod) * 2, quick=(s == 2688 and not per_token)))
-        for b, s in ((2, 2688), (2, 21504)):
-            d = 2048
-            def inputs(b=b, s=s, d=d):
-                big = [torch.randn(b, s, d, device="cuda", dtype=BF16) for _ in range(2)]
-                small = [torch.randn(b, 1, d, device="cuda", dtype=BF16) for _ in range(3)]
-                return (*big, *small)
-            out.append(Case(f"gated_residual_adaln_{norm}", f"[{b},{s},{d}]", inputs,
-                            peers(gated_adaln_eager(norm),
-                                  ltx=lambda r, x, g, sc, sh, norm=norm: k.gated_residual_adaln(r, x, g, sc, sh, 1e-6, norm=norm)),
-                            (4 * b * s * d + 3 * b * d) * 2, quick=s == 2688))
-
-    for b, hq, hkv, s in ((1, 32, 8, 8192), (1, 32, 8, 128), (4, 32, 8, 4096)):
-        d = 128
-        def inputs(b=b, hq=hq, hkv=hkv, s=s, d=d):
-            q = torch.randn(b, s, hq, d, device="cuda", dtype=BF16).transpose(1, 2)
-            kk = torch.randn(b, s, hkv, d, device="cuda", dtype=BF16).transpose(1, 2)
-            ang = torch.rand(b, s, d // 2, device="cuda")
-            emb = torch.cat([ang, ang], -1)
-            return q, kk, emb.cos().to(BF16), emb.sin().to(BF16)
-        impls = peers(transformers_rope, ltx=lambda q, kk, c, sn: k.rope_rotate_half(q, kk, c, sn))
-        if lig:
-            impls["liger"] = lambda q, kk, c, sn: lig[1].LigerRopeFunction.apply(q, kk, c, sn)
-        out.append(Case("rope_rotate_half", f"q[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}]", inputs, impls,
-                        2 * (b * (hq + hkv) * s * d) * 2 + 2 * b * s * d * 2, quick=s == 8192))
-
-    for b, s in ((2, 2688), (2, 21504)):
-        c = 2048
-        def inputs(b=b, s=s, c=c):
-            q, kk = (torch.randn(b, s, c, device="cuda", dtype=BF16) for _ in range(2))
-            ang = torch.rand(b, s, c // 2, device="cuda").repeat_interleave(2, -1)
-            return q, kk, ang.cos(), ang.sin()
-        out.append(Case("rope_interleaved", f"LTX q/k [{b},{s},{c}], fp32 tables", inputs,
-                        peers(ltx_ropes, ltx=lambda q, kk, co, si: k.rope_interleaved(q, kk, co, si)),
-                        4 * b * s * c * 2 + 2 * b * s * c * 4, quick=s == 2688))
-        def inputs_norm(b=b, s=s, c=c, rope_inputs=inputs):
-            q, kk, co, si = rope_inputs(b, s, c)
-            return q, kk, torch.randn(c, device="cuda", dtype=BF16), torch.randn(c, device="cuda", dtype=BF16), co, si
-        out.append(Case("qk_norm_rope", f"LTX q/k [{b},{s},{c}]", inputs_norm,
-                        peers(ltx_prologue, ltx=lambda q, kk, wq, wk, co, si: k.qk_norm_rope(q, kk, wq, wk, co, si, 1e-5)),
-                        4 * b * s * c * 2 + 2 * b * s * c * 4, quick=s == 2688))
-
-    for rows, h in ((8192, 5120), (5376, 8192), (8192, 16384)):
-        def inputs(rows=rows, h=h):
-            return (torch.randn(rows, 2 * h, device="cuda", dtype=BF16),)
-        out.append(Case("geglu", f"[{rows}, 2x{h}]", inputs, peers(diffusers_geglu, ltx=lambda x: k.geglu(x, "none")),
-                        3 * rows * h * 2, quick=h == 5120))
-    def gelu_inputs():
-        return (torch.randn(2, 2688, 8192, device="cuda", dtype=BF16),)
-    out.append(Case("gelu_tanh", "[2,2688,8192]", gelu_inputs, peers(gelu_tanh, ltx=lambda x: k.gelu(x, "tanh")),
-                    2 * 2 * 2688 * 8192 * 2, quick=True))
-    def gelu_mul_inputs():
-        return tuple(torch.randn(8192, 12288, device="cuda", dtype=BF16) for _ in range(2))
-    impls = peers(lambda g, u: gelu_tanh(g) * u, ltx=lambda g, u: k.gelu_mul(g, u, "tanh"))
-    if lig:
-        impls["liger"] = lambda g, u: lig[2].LigerGELUMulFunction.apply(g, u)
-    out.append(Case("gelu_mul", "[8192, 12288] (Gemma MLP)", gelu_mul_inputs, impls, 3 * 8192 * 12288 * 2))
-    return out
+def private_copy(obj):
+    """A copy of an input set, strides kept, for one implementation's checked call: Liger's
+    RoPE rotates its inputs in place and its RMSNorm backward overwrites the output
+    gradients, which would skew the error of every implementation checked after it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone().requires_grad_(obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(private_copy(o) for o in obj)
+    return obj
 
 
 def max_error(actual, expected) -> float:
-    if isinstance(actual, (tuple, list)):
-        return max(max_error(a, e) for a, e in zip(actual, expected))
-    return (actual.double() - expected.double()).abs().max().item()
+    pairs = list(zip(flatten(actual), flatten(expected)))
+    if len(pairs) != len(flatten(expected)):
+        raise RuntimeError(f"returned {len(flatten(actual))} tensors, the reference {len(flatten(expected))}")
+    return max((a.double() - e.double()).abs().max().item() for a, e in pairs)
 
 
-def run(selected: Sequence[Case], copy_gbs: float) -> List[dict]:
-    rows = []
-    print("| op | shape | impl | kernel us | eager us | GB/s | % copy BW | max abs err |")
-    print("|---|---|---|---|---|---|---|---|")
-    for case in selected:
-        copies = copies_for_cold_l2(case.nbytes)
-        sets = [case.inputs() for _ in range(copies)]
-        # The eager code evaluated on fp64 copies of the inputs.
-        reference = case.impls["eager"](*[t.double() if t.is_floating_point() else t for t in sets[0]])
+class Runner:
+    """Times the cases and keeps the rows: results, skips, and the table lines."""
+
+    COLUMNS = ("op", "shape", "impl", "kernel us", "eager us", "MB moved", "GB/s", "% copy BW",
+               "ltx / best peer (kernel)", "ltx / best peer (eager)", "max abs err")
+
+    def __init__(self, on_cuda: bool, copy_gbs: float):
+        self.on_cuda, self.copy_gbs = on_cuda, copy_gbs
+        self.rows: List[dict] = []
+        self.skipped: List[dict] = []
+        self.lines: List[str] = []
+
+    def emit(self, line: str = ""):
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def run(self, cases: Sequence[Case]):
+        self.emit("| " + " | ".join(self.COLUMNS) + " |")
+        self.emit("|" + "---|" * len(self.COLUMNS))
+        for case in cases:
+            try:
+                entries = self.run_case(case)
+            except Exception as e:  # input set or reference failed (e.g. out of memory)
+                entries = [self.skip(case, "all", e)]
+            finally:
+                self.release()
+            self.compare_with_peers([e for e in entries if "reason" not in e])
+            for entry in entries:
+                (self.skipped if "reason" in entry else self.rows).append(entry)
+                self.emit(self.format(entry))
+
+    def run_case(self, case: Case) -> List[dict]:
+        """A row per implementation: its timings, or why it was skipped."""
+        sets = [case.inputs()]
+        copies = harness.copies_for_cold_l2(size_of(sets[0])) if self.on_cuda else 1
+        sets += [case.inputs() for _ in range(copies - 1)]
+        expected = case.impls["eager"](*to_fp64(sets[0]))
+        nbytes = bytes_moved(case, sets[0], expected)
+        calls = harness.calls_per_graph(copies, nbytes) if self.on_cuda else 1
+        rows = []
         for name, fn in case.impls.items():
             try:
-                err = max_error(fn(*sets[0]), reference)
-                kernel_us = graph_time_us([lambda s=s: fn(*s) for s in sets])
-                # About 20 ms of calls per batch: many for small shapes, few for large.
-                batch = int(min(200, max(5, 2e4 / kernel_us)))
-                eager_us = eager_time_us(lambda: fn(*sets[0]), batch=batch)
-            except Exception as e:  # a peer lacking this layout or dtype
-                print(f"| {case.op} | {case.shape} | {name} | n/a: {type(e).__name__} | | | | |", flush=True)
+                err = max_error(fn(*private_copy(sets[0])), expected)
+                kernel_us, eager_us = self.time(fn, sets, calls)
+            except Exception as e:  # a peer without this layout, dtype or autograd
+                rows.append(self.skip(case, name, e))
                 continue
-            gbs = case.nbytes / kernel_us / 1e3
-            row = dict(op=case.op, shape=case.shape, impl=name, kernel_us=kernel_us, eager_us=eager_us,
-                       bytes=case.nbytes, gbs=gbs, pct_copy=100 * gbs / copy_gbs, max_abs_err=err)
-            rows.append(row)
-            print(f"| {case.op} | {case.shape} | {name} | {kernel_us:.1f} | {eager_us:.1f} | {gbs:.0f} | "
-                  f"{row['pct_copy']:.0f}% | {err:.1e} |", flush=True)
-        sets.clear()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
-    return rows
+            seconds = kernel_us if kernel_us is not None else eager_us
+            gbs = nbytes / seconds / 1e3
+            rows.append(dict(op=case.op, shape=case.shape, impl=name, kernel_us=kernel_us, eager_us=eager_us,
+                             bytes=nbytes, gbs=gbs, pct_copy=100 * gbs / self.copy_gbs, max_abs_err=err))
+        return rows
+
+    def time(self, fn: Callable, sets: List[tuple], calls: int) -> Tuple[Optional[float], float]:
+        if not self.on_cuda:
+            return None, harness.cpu_time_us(lambda: fn(*sets[0]))
+        rotated = [lambda s=sets[i % len(sets)]: fn(*s) for i in range(calls)]
+        kernel_us = harness.graph_time_us(rotated)
+        # About 20 ms of calls per batch: many for small shapes, few for large.
+        batch = int(min(200, max(5, 2e4 / kernel_us)))
+        return kernel_us, harness.eager_time_us(rotated[:len(sets)], batch=batch)
+
+    def skip(self, case: Case, impl: str, error: BaseException) -> dict:
+        if self.on_cuda:
+            try:  # an asynchronous failure surfaces here, not in the next implementation
+                torch.cuda.synchronize()
+            except Exception:
+                pass  # a broken context: the next calls fail too and are skipped with their reason
+        return dict(op=case.op, shape=case.shape, impl=impl, reason=f"{type(error).__name__}: {first_line(error)}")
+
+    def release(self):
+        try:
+            if self.on_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()  # each case compiles afresh: no recompile limit across shapes
+        except Exception as e:  # a broken CUDA context: later cases skip, the report is still written
+            self.emit(f"(cleanup failed: {type(e).__name__}: {first_line(e)})")
+
+    @staticmethod
+    def compare_with_peers(rows: List[dict]):
+        ours = next((r for r in rows if r["impl"] == "ltx"), None)
+        peers = [r for r in rows if r["impl"] != "ltx"]
+        if ours is None or not peers:
+            return
+        for timing in ("kernel_us", "eager_us"):
+            timed = [r for r in peers if r[timing] is not None]
+            if ours[timing] is not None and timed:
+                best = min(timed, key=lambda r: r[timing])
+                ours[f"vs_best_peer_{timing}"] = dict(peer=best["impl"], ratio=ours[timing] / best[timing])
+
+    def format(self, row: dict) -> str:
+        if "reason" in row:
+            return f"| {row['op']} | {row['shape']} | {row['impl']} | skipped: {row['reason'].replace('|', '/')} |" \
+                + " |" * (len(self.COLUMNS) - 4)
+
+        def us(value):
+            return "–" if value is None else f"{value:.1f}"
+
+        def versus(timing):
+            best = row.get(f"vs_best_peer_{timing}")
+            return f"{best['ratio']:.2f} ({best['peer']})" if best else ""
+
+        cells = (row["op"], row["shape"], row["impl"], us(row["kernel_us"]), us(row["eager_us"]),
+                 f"{row['bytes'] / 1e6:.1f}", f"{row['gbs']:.0f}", f"{row['pct_copy']:.0f}%",
+                 versus("kernel_us"), versus("eager_us"), f"{row['max_abs_err']:.1e}")
+        return "| " + " | ".join(cells) + " |"
+
+
+# --- main ---------------------------------------------------------------------------------
+
+
+def select(cases: List[Case], args) -> List[Case]:
+    ops = set(args.ops.split(",")) if args.ops else None
+
+    def wanted(case: Case) -> bool:
+        base = case.op.removesuffix(" fwd+bwd")
+        if ops and base not in ops:
+            return False
+        if case.grad_argnums:
+            return args.backward
+        return case.quick or not args.quick or args.smoke
+
+    return [c for c in cases if wanted(c)]
+
+
+def default_stem(args, device_name: str) -> Path:
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if args.backward:
+        mode += "-backward"
+    if args.ops:
+        mode += "-" + args.ops.replace(",", "-")
+    gpu = re.sub(r"[^a-z0-9]+", "-", device_name.lower().removeprefix("nvidia ")).strip("-")
+    return RESULTS / f"{datetime.date.today().isoformat()}-{gpu}-{mode}"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one or two shapes per op")
-    parser.add_argument("--ops", help="comma-separated op names (default: all)")
+    parser.add_argument("--quick", action="store_true", help="a representative subset of shapes (bf16)")
+    parser.add_argument("--ops", help="comma-separated op names, e.g. rms_norm,adaln_rms,geglu (default: all)")
+    parser.add_argument("--backward", action="store_true",
+                        help="also time forward+backward on the large shapes (ltx rows skip if it has no autograd)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no CUDA graphs (for CI)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of %% copy bandwidth per shape here")
+    parser.add_argument("--markdown", type=Path, help="write the table here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_ops: needs a CUDA GPU")
+
+    on_cuda = not args.smoke
+    # An op without autograd says so in its skipped row; torch's warning would repeat it.
+    warnings.filterwarnings("ignore", message=".*autograd kernel was not registered")
+    if on_cuda and not torch.cuda.is_available():
+        sys.exit("bench_ops: needs a CUDA GPU (or --smoke for the CPU)")
+    device_name = torch.cuda.get_device_name() if on_cuda else "CPU (smoke)"
+    if not (args.json or args.plot or args.markdown or args.smoke):
+        stem = default_stem(args, device_name)
+        args.json, args.plot, args.markdown = (stem.with_suffix(s) for s in (".json", ".png", ".md"))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("bench_ops: matplotlib is not installed: no plot (JSON and table as usual)", flush=True)
+        args.plot = None
     from kernels import get_local_kernel
 
-    k = get_local_kernel(REPO)
-    selected = [c for c in cases(k) if (c.quick or not args.quick)
-                and (not args.ops or c.op in args.ops.split(","))]
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  copy bandwidth: {copy_gbs:.0f} GB/s "
-          f"(read + write)\n")
-    rows = run(selected, copy_gbs)
+    ltx = get_local_kernel(REPO)
+    libs = load_libraries(on_cuda)
+    cases = select(CaseBuilder(ltx, libs, "cuda" if on_cuda else "cpu", SMOKE if args.smoke else ISSUE_4).build(),
+                   args)
+    copy_gbs = harness.copy_bandwidth_gbs() if on_cuda else harness.cpu_copy_bandwidth_gbs()
+
+    runner = Runner(on_cuda, copy_gbs)
+    versions = library_versions()
+    runner.emit(f"# bench_ops on {device_name}, {datetime.date.today().isoformat()}")
+    runner.emit()
+    runner.emit(f"Command: `python benchmarks/bench_ops.py {' '.join(sys.argv[1:])}`; kernel build {ltx.__name__}; "
+                + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".")
+    runner.emit(f"Copy bandwidth measured in this run: {copy_gbs:.0f} GB/s (read + write). "
+                + ("Kernel time: CUDA-graph replay, inputs and outputs rotated past L2, median. "
+                   "Eager: back-to-back Python calls over the same rotated inputs, median."
+                   if on_cuda else "Smoke run: CPU wall time only; GB/s from it."))
+    for name, reason in libs.missing.items():
+        runner.emit(f"Peer {name} not run: {reason}.")
+    runner.emit()
+    runner.run(cases)
+
+    report = dict(device=device_name, date=datetime.date.today().isoformat(), argv=sys.argv[1:],
+                  kernel_build=ltx.__name__, versions=versions, copy_gbs=copy_gbs,
+                  timing="cuda-graph kernel + eager" if on_cuda else "cpu eager (smoke)",
+                  peers_missing=libs.missing, results=runner.rows, skipped=runner.skipped)
+    write_outputs(args, report, runner.lines)
+
+
+def write_outputs(args, report: dict, lines: List[str]):
+    written = [path for path in (args.json, args.markdown, args.plot) if path]
+    for path in written:
+        path.parent.mkdir(parents=True, exist_ok=True)
     if args.json:
-        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                             copy_gbs=copy_gbs, results=rows), indent=2))
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n")
+    if args.plot:
+        import plot  # matplotlib only when a plot is asked for
+
+        plot.save_copy_bandwidth_plot(report, args.plot)
+    if written:
+        print("wrote " + ", ".join(map(str, written)))
 
 
 if __name__ == "__main__":

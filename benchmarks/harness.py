@@ -1,39 +1,41 @@
-"""Timing on a GPU the way the README's numbers are taken.
+"""Timing the way the README's numbers are taken.
 
 - kernel time: many calls captured in one CUDA graph and replayed, inputs rotated over
   enough copies that every call misses L2 (a cold-cache number), median of replays; every
   call keeps its own output buffers too, else the graph's allocator hands one buffer to
-  all of them and L2 absorbs the writes;
-- eager time: the same call issued from Python back to back (launch and dispatch
-  included, as a caller sees it), median over batches;
+  all of them and L2 absorbs the writes; a graph holds at least MIN_GRAPH_BYTES of
+  traffic so that its launch is a small share of a replay;
+- eager time: the calls issued from Python back to back over the same rotated inputs
+  (launch and dispatch included, as a caller sees it), median over batches;
 - bandwidth: bytes a call must move (each input read once, each output written once)
-  over kernel time, and that as a share of a device-to-device copy measured here.
+  over kernel time, and that as a share of a device-to-device copy measured here;
+- on the CPU (the smoke run) only eager wall time, to prove the script runs.
 """
 
 import statistics
-from dataclasses import dataclass
+import time
 from typing import Callable, List, Sequence
 
 import torch
 
 L2_MULTIPLE = 3  # rotated input copies span this many times the L2 size
-
-
-@dataclass
-class Timing:
-    kernel_us: float
-    eager_us: float
+MIN_GRAPH_BYTES = 1 << 30  # ~250 us of traffic at 4 TB/s: a graph launch is then < 2%
 
 
 def l2_bytes() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
 
 
-def copies_for_cold_l2(bytes_per_call: int) -> int:
-    return max(1, -(-L2_MULTIPLE * l2_bytes() // max(1, bytes_per_call)))
+def copies_for_cold_l2(input_bytes: int) -> int:
+    """Input sets to rotate over so that a set is evicted from L2 before its next use."""
+    return max(1, -(-L2_MULTIPLE * l2_bytes() // max(1, input_bytes)))
 
 
-def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+def calls_per_graph(copies: int, bytes_per_call: int) -> int:
+    return max(copies, -(-MIN_GRAPH_BYTES // max(1, bytes_per_call)))
+
+
+def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 25) -> float:
     """Median time of one call, from replays of a graph holding every call once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -54,20 +56,22 @@ def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> f
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del outputs
+    del outputs, graph
     return statistics.median(times)
 
 
-def eager_time_us(call: Callable[[], object], batch: int = 200, batches: int = 7) -> float:
-    for _ in range(10):
-        call()
+def eager_time_us(calls: Sequence[Callable[[], object]], batch: int = 200, batches: int = 7) -> float:
+    """Median time of one call issued from Python, cycling through ``calls`` (one per
+    rotated input set, so the eager number is cold-L2 too)."""
+    for i in range(max(10, len(calls))):
+        calls[i % len(calls)]()
     torch.cuda.synchronize()
     times = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(batches):
         start.record()
-        for _ in range(batch):
-            call()
+        for i in range(batch):
+            calls[i % len(calls)]()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / batch)
@@ -80,6 +84,23 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     becomes a memcpy node, which runs slower than a kernel)."""
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    best_us = min(eager_time_us(lambda: dst.copy_(src), batch=5, batches=5),
-                  eager_time_us(lambda: torch.mul(src, 1.0, out=dst), batch=5, batches=5))
+    best_us = min(eager_time_us([lambda: dst.copy_(src)], batch=5, batches=5),
+                  eager_time_us([lambda: torch.mul(src, 1.0, out=dst)], batch=5, batches=5))
     return 2 * nbytes / best_us / 1e3
+
+
+def cpu_time_us(call: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall time of one call on the CPU (smoke runs: no graphs, no events)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def cpu_copy_bandwidth_gbs(nbytes: int = 64 << 20) -> float:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / cpu_time_us(lambda: dst.copy_(src)) / 1e3
