@@ -440,12 +440,22 @@ class Runner:
         expected = case.impls["eager"](*to_fp64(sets[0]))
         nbytes = bytes_moved(case, sets[0], expected)
         calls = harness.calls_per_graph(copies, nbytes) if self.on_cuda else 1
+        # Every check runs before any timing: a peer that writes into its inputs (Liger's
+        # RoPE, in place) while it is timed must not change what the others are checked on.
+        errors = {}
+        for name, fn in case.impls.items():
+            try:
+                errors[name] = max_error(fn(*private_copy(sets[0])), expected)
+            except Exception as e:  # a peer without this layout, dtype or autograd
+                errors[name] = e
         rows = []
         for name, fn in case.impls.items():
             try:
-                err = max_error(fn(*private_copy(sets[0])), expected)
+                if isinstance(errors[name], Exception):
+                    raise errors[name]
+                err = errors[name]
                 kernel_us, eager_us = self.time(fn, sets, calls)
-            except Exception as e:  # a peer without this layout, dtype or autograd
+            except Exception as e:
                 rows.append(self.skip(case, name, e))
                 continue
             seconds = kernel_us if kernel_us is not None else eager_us

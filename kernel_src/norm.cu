@@ -213,15 +213,17 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------
 // Backward (see NormBackwardArgs). A block owns a column slice of bwd_vecs(VEC) vectors per
 // thread and walks a fixed set of rows of one group, keeping its slice of x and dy in
-// registers and its slice of the column grads in fp32 registers; it then writes one
-// partial row per column grad, which column_sum_kernel adds up in a fixed order. Rows
-// wider than one slice are split over blockIdx.x: each block still reads the whole row for
-// the row statistics (the other slices' reads mostly hit L2).
+// registers and adding its slice of the column grads into fp32 shared memory (each thread
+// its own slots: no atomics, no races); it then writes one partial row per column grad,
+// which column_sum_kernel adds up in a fixed order. Rows wider than one slice are split over
+// blockIdx.x: each block still reads the whole row for the row statistics (the other
+// slices' reads mostly hit L2).
 
-// Vectors per thread: 8 elements keep the kernel well under 128 registers (the x, dy and
-// column-grad registers grow with it); rows wider than 512 threads x 8 are sliced.
-__host__ __device__ constexpr int bwd_vecs(int vec) { return vec >= 8 ? 1 : 8 / vec > 2 ? 2 : 8 / vec; }
-constexpr int kBwdMaxBlock = 512;
+// Up to 8 elements of x and of dy per thread (one 16-byte vector of fp16/bf16, two of fp32),
+// twice (this row and the next, prefetched), with the column grads in shared memory.
+__host__ __device__ constexpr int bwd_vecs(int vec) { return vec >= 8 ? 1 : 2; }
+// AdaLN keeps two column grads: 256 threads keep its shared memory at 32 KB.
+constexpr int bwd_max_block(bool modulate) { return modulate ? 256 : 512; }
 
 template <typename T, typename W, typename G>
 struct NormBwdParams {
@@ -261,11 +263,13 @@ __device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, flo
 }
 
 template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE>
-__global__ void __launch_bounds__(kBwdMaxBlock, 1)
+__global__ void __launch_bounds__(bwd_max_block(MODULATE), 1)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
-  extern __shared__ float column_scratch[];  // [kAccs][rows_per_block][slice columns], rows_per_block > 1 only
+  // Column-grad sums, [kAccs][rows_per_block][slice columns]: dy * n, and (AdaLN) dy.
+  extern __shared__ float column_acc[];
   __shared__ float scratch[3][32];
   constexpr int kVecs = bwd_vecs(VEC);
+  constexpr int kAccs = MODULATE ? 2 : 1;
   constexpr bool kLayer = KIND == NormKind::kLayer;
   const int rows_per_block = blockDim.x / threads_per_row;
   const int row_in_block = threadIdx.x / threads_per_row;
@@ -276,17 +280,48 @@ __global__ void __launch_bounds__(kBwdMaxBlock, 1)
 
   // Vector k of this thread in column chunk c (chunk `slice` is the block's own).
   auto vec_index = [&](int chunk, int k) { return (chunk * kVecs + k) * threads_per_row + t; };
-  // Column-grad accumulators: dy * n, and (AdaLN) dy for the shift.
-  constexpr int kAccs = MODULATE ? 2 : 1;
-  float acc[kAccs][kVecs][VEC] = {};
-  Vec<T, VEC> xs[kVecs];
-  Vec<G, VEC> dys[kVecs];
+  const int slice_cols = threads_per_row * kVecs * VEC;
+  const bool accumulate = p.factor_partial != nullptr || p.shift_partial != nullptr;
+  // This thread's slot for element j of its vector k, in accumulator `which`: threads of a
+  // row are adjacent (conflict-free banks).
+  auto slot = [&](int which, int k, int j) {
+    return column_acc + (which * rows_per_block + row_in_block) * slice_cols + (k * VEC + j) * threads_per_row + t;
+  };
+  if (accumulate) {
+#pragma unroll
+    for (int which = 0; which < kAccs; ++which) {
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) *slot(which, k, j) = 0.f;
+      }
+    }
+  }
+  // The block's slice of its current row, and of its next row, loaded one row ahead so
+  // that the next row's loads are in flight during this row's reductions.
+  Vec<T, VEC> xs[kVecs], next_xs[kVecs];
+  Vec<G, VEC> dys[kVecs], next_dys[kVecs];
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * rows_per_block;
+  auto prefetch = [&](int64_t base) {
+    if (base + row_in_block >= p.group_rows) return;
+    const int64_t r = group_first + base + row_in_block;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = vec_index(slice, k);
+      if (i >= nvec) continue;
+      next_xs[k] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
+      next_dys[k] = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
+    }
+  };
+  prefetch(static_cast<int64_t>(blockIdx.y) * rows_per_block);
 
   // Trip count uniform over the block: every thread joins every row reduction.
-  for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block; base < p.group_rows;
-       base += static_cast<int64_t>(gridDim.y) * rows_per_block) {
+  for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block; base < p.group_rows; base += row_step) {
     const bool active = base + row_in_block < p.group_rows;
     const int64_t r = group_first + (active ? base + row_in_block : 0);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) xs[k] = next_xs[k], dys[k] = next_dys[k];
+    prefetch(base + row_step);
     const int64_t batch = r / p.tokens;
     const T* x = p.input + r * p.input_stride;
     const G* dy = p.grad_out + r * p.grad_out_stride;
@@ -306,18 +341,14 @@ __global__ void __launch_bounds__(kBwdMaxBlock, 1)
       }
     };
     // Calls fn(x, dy, i) for every vector of the row this thread covers: its own slice
-    // from registers (loaded into them when load_slice), the other slices from memory.
-    auto for_row = [&](bool load_slice, auto&& fn) {
+    // from registers, the other slices from memory.
+    auto for_row = [&](auto&& fn) {
       for (int c = 0; c < slices; ++c) {
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) {
           const int i = vec_index(c, k);
           if (!active || i >= nvec) continue;
           if (c == slice) {
-            if (load_slice) {
-              xs[k] = load_vec<T, VEC>(x, i);
-              dys[k] = load_vec<G, VEC>(dy, i);
-            }
             fn(xs[k], dys[k], i);
           } else {
             fn(load_vec<T, VEC>(x, i), load_vec<G, VEC>(dy, i), i);
@@ -329,7 +360,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, 1)
     float mean = 0.f;
     if constexpr (kLayer) {
       float s[1] = {0.f};
-      for_row(true, [&](const Vec<T, VEC>& xv, const Vec<G, VEC>&, int) {
+      for_row([&](const Vec<T, VEC>& xv, const Vec<G, VEC>&, int) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) s[0] += to_float(xv.v[j]);
       });
@@ -338,7 +369,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, 1)
     }
     // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
     float s[3] = {0.f, 0.f, 0.f};
-    for_row(!kLayer, [&](const Vec<T, VEC>& xv, const Vec<G, VEC>& dv, int i) {
+    for_row([&](const Vec<T, VEC>& xv, const Vec<G, VEC>& dv, int i) {
       float f[VEC];
       factor(i, f);
 #pragma unroll
@@ -382,8 +413,10 @@ __global__ void __launch_bounds__(kBwdMaxBlock, 1)
         if (p.cast_before_weight) normed = to_float(from_float<T>(normed));
         fr.v[j] = from_float<T>(d * normed);
         sr.v[j] = from_float<T>(d);
-        acc[0][k][j] += d * normed;
-        if constexpr (MODULATE) acc[kAccs - 1][k][j] += d;
+        if (accumulate) {
+          *slot(0, k, j) += d * normed;
+          if constexpr (MODULATE) *slot(kAccs - 1, k, j) += d;
+        }
       }
       store_vec<T, VEC>(p.grad_input + out_row, i, dx);
       if constexpr (MODULATE) {
@@ -393,36 +426,22 @@ __global__ void __launch_bounds__(kBwdMaxBlock, 1)
     }
   }
 
-  // This block's partial column sums: over its rows, then over its rows_per_block rows.
+  // This block's partial column sums: over its rows_per_block rows (in order), then out.
+  if (!accumulate) return;
+  __syncthreads();
   const int64_t partial_row = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * p.cols;
-  const int slice_cols = threads_per_row * kVecs * VEC;
+  const int first_col = slice * slice_cols;
 #pragma unroll
   for (int which = 0; which < kAccs; ++which) {
     float* partial = which == 0 ? p.factor_partial : p.shift_partial;
     if (partial == nullptr) continue;
-    if (rows_per_block == 1) {
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        const int i = vec_index(slice, k);
-        if (i >= nvec) continue;
-        Vec<float, VEC> v;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v.v[j] = acc[which][k][j];
-        store_vec<float, VEC>(partial + partial_row, i, v);
-      }
-      continue;
-    }
-    float* mine = column_scratch + (which * rows_per_block + row_in_block) * slice_cols;
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) mine[(k * threads_per_row + t) * VEC + j] = acc[which][k][j];
-    }
-    __syncthreads();
-    const int first_col = slice * slice_cols;
+    const float* sums = column_acc + which * rows_per_block * slice_cols;
     for (int c = threadIdx.x; c < slice_cols && first_col + c < p.cols; c += blockDim.x) {
+      // Column c of the slice is element j of vector k of thread t (see vec_index).
+      const int k = c / (threads_per_row * VEC), in_k = c - k * threads_per_row * VEC;
+      const int at = (k * VEC + in_k % VEC) * threads_per_row + in_k / VEC;
       float sum = 0.f;
-      for (int rr = 0; rr < rows_per_block; ++rr) sum += column_scratch[(which * rows_per_block + rr) * slice_cols + c];
+      for (int rr = 0; rr < rows_per_block; ++rr) sum += sums[rr * slice_cols + at];
       partial[partial_row + first_col + c] = sum;
     }
   }
@@ -464,7 +483,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   const int vecs_per_thread = bwd_vecs(vec);
-  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, kBwdMaxBlock);
+  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_max_block(MODULATE));
   const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
   const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
   const int rows_per_block = cfg.block / cfg.threads_per_row;
@@ -505,7 +524,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
                                  a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
-  const std::size_t shared = rows_per_block > 1 ? (MODULATE ? 2 : 1) * cfg.block * vecs_per_thread * vec * sizeof(float) : 0;
+  const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * vecs_per_thread * vec * sizeof(float) : 0;
   if (vector) {
     norm_backward_kernel<T, W, G, V, KIND, MODULATE><<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
   } else {
