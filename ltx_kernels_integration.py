@@ -32,6 +32,7 @@ back (used by the examples and benchmarks to compare against the stock model).
 import contextlib
 import importlib
 import logging
+import sys
 from pathlib import Path
 from types import MethodType
 from typing import Dict, Iterator, Optional, Union
@@ -137,6 +138,7 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
     modules each layer replaced. Hooked ``apply_rotary_pos_emb`` functions whose math is not
     the Llama rotation this layer computes are put back to stock (see `ApplyRotaryPosEmb`)."""
     device = _check_ready(model, device, "model")
+    _relink_copied_functions(model)
     with use_kernel_mapping(transformers_mapping(repo, **kwargs), inherit_mapping=False), _quiet_unmapped_hooks():
         kernelize(model, mode=mode, device=device)
     _keep_only_matching_rotary(model)
@@ -294,6 +296,22 @@ def _diffusers_models(pipeline_or_model) -> Dict[str, torch.nn.Module]:
         raise ValueError(f"{type(pipeline_or_model).__name__} has none of the components ltx-kernels kernelizes "
                          f"({', '.join(DIFFUSERS_COMPONENTS)}); pass a model instead")
     return models
+
+
+def _relink_copied_functions(model: torch.nn.Module) -> None:
+    """``copy.deepcopy(model)`` copies the hooked functions in ``_kernel_funcs`` too, while
+    the model's code still calls its model file's own: point ``_kernel_funcs`` back at the
+    function that runs, so that kernelize replaces it (each hooked function has a class of
+    its own, which the copy keeps)."""
+    for module in model.modules():
+        functions = getattr(module, "_kernel_funcs", None)
+        if not functions:
+            continue
+        module_globals = vars(sys.modules[type(module).__module__]).values()
+        for key, function in functions.items():
+            called = [g for g in module_globals if type(g) is type(function)]
+            if len(called) == 1:
+                functions[key] = called[0]
 
 
 def _keep_only_matching_rotary(model: torch.nn.Module) -> None:

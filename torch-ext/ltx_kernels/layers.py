@@ -33,6 +33,16 @@ def _on_kernel(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in KERNEL_DTYPES and t.device.type in KERNEL_DEVICES for t in tensors)
 
 
+def _rows(x: torch.Tensor) -> bool:
+    """x is what the row ops take without a copy: on a kernel dtype and device, a
+    contiguous last dim, leading dims that collapse into one row stride (FLUX hands its
+    final norm ``x[:, text_len:]``, which does not)."""
+    if not _on_kernel(x) or x.dim() == 0 or (x.stride(-1) != 1 and x.size(-1) != 1):
+        return False
+    outer = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    return all(stride == inner_size * inner_stride for (_, stride), (inner_size, inner_stride) in zip(outer, outer[1:]))
+
+
 # ---------------------------------------------------------------------------------------
 # transformers
 
@@ -49,6 +59,8 @@ class RMSNorm(nn.Module):
     can_torch_compile = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _rows(hidden_states):
+            return type(self).forward(self, hidden_states)
         weight = self.weight
         if hidden_states.dtype == torch.float32 and weight.dtype != torch.float32:
             weight = weight.float()  # fp32 activations, low-precision weight: the host computes in fp32
@@ -70,6 +82,8 @@ class RMSNormZeroCentered(nn.Module):
     can_torch_compile = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _rows(x):
+            return type(self).forward(self, x)
         weight = self.weight
         if weight.dtype not in (x.dtype, torch.float32):
             weight = weight.float()  # the host upcasts the weight anyway: exact
@@ -83,6 +97,8 @@ class GeluTanh(nn.Module):
     can_torch_compile = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _rows(input):
+            return type(self).forward(self, input)
         return gelu(input, "tanh")
 
 
@@ -142,7 +158,7 @@ class DiffusersRMSNorm(nn.Module):
 
     def forward(self, hidden_states):
         weight = self.weight
-        if self.bias is not None or not _on_kernel(hidden_states):
+        if self.bias is not None or not _rows(hidden_states):
             return type(self).forward(self, hidden_states)
         if weight is None:
             return rms_norm(hidden_states, None, self.eps)
@@ -164,9 +180,13 @@ class GEGLU(nn.Module):
     can_torch_compile = False
 
     def forward(self, hidden_states, *args, **kwargs):
-        if args or kwargs.get("scale") is not None or not _on_kernel(hidden_states):
+        if args or kwargs.get("scale") is not None:
             return type(self).forward(self, hidden_states, *args, **kwargs)  # the host warns about `scale`
-        return geglu(self.proj(hidden_states), "none")
+        hidden_states = self.proj(hidden_states)
+        if not _rows(hidden_states):
+            hidden_states, gate = hidden_states.chunk(2, dim=-1)  # the host's expression
+            return hidden_states * self.gelu(gate)
+        return geglu(hidden_states, "none")
 
 
 class AdaLayerNormZero(nn.Module):
@@ -248,7 +268,7 @@ def _modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torc
     shift[:, None]`` with scale and shift ``[B, D]``, fused when `adaln` computes it, the
     host's expression otherwise."""
     kind = _adaptive_norm_kind(norm)
-    if (kind is None or x.dim() != 3 or not _on_kernel(x)
+    if (kind is None or x.dim() != 3 or not _rows(x)
             or scale.dtype != x.dtype or shift.dtype != x.dtype or scale.dim() != 2):
         return norm(x) * (1 + scale[:, None]) + shift[:, None]
     return adaln(x, scale[:, None], shift[:, None], kind[1], norm=kind[0])
@@ -283,7 +303,7 @@ class LTXVideoTransformerBlock(nn.Module):
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, encoder_attention_mask=None):
         norm1, norm2 = _adaptive_norm_kind(self.norm1), _adaptive_norm_kind(self.norm2)
         if (norm1 is None or norm1[0] != "rms" or norm2 is None or norm2[0] != "rms"
-                or self.scale_shift_table.shape[0] != 6 or hidden_states.dim() != 3 or not _on_kernel(hidden_states)
+                or self.scale_shift_table.shape[0] != 6 or hidden_states.dim() != 3 or not _rows(hidden_states)
                 or torch.promote_types(self.scale_shift_table.dtype, temb.dtype) != hidden_states.dtype):
             return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                       encoder_attention_mask)
