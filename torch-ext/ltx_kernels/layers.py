@@ -275,8 +275,8 @@ def _modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torc
 
 
 class LTXVideoTransformerBlock(nn.Module):
-    """For diffusers' ``LTXVideoTransformerBlock``: the stock block with its elementwise
-    steps fused, 4 passes over the hidden states where the host makes 11:
+    """For diffusers' ``LTXVideoTransformerBlock``: the stock block with its norms,
+    modulations and residuals (a chain of elementwise ops in the host) in four launches:
 
     - ``norm1(x) * (1 + scale_msa) + shift_msa``: one `adaln` (RMS);
     - ``x + attn1 * gate_msa``: one `gated_residual`;
