@@ -72,7 +72,7 @@ class Result:
     workload: str
     config: str
     ms: Optional[float] = None
-    max_abs_diff: Optional[float] = None  # vs the eager output
+    max_abs_diff: Optional[float] = None  # vs the first configuration run (eager by default)
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
 
