@@ -146,7 +146,7 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
     if not counts:
         unkernelize(model)
         raise ValueError(f"{type(model).__name__} has no module ltx-kernels replaces (hooks it maps: "
-                         f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm)")
+                         f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm){_mode_note(mode)}")
     return counts
 
 
@@ -168,7 +168,8 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
         for model in models.values():
             unkernelize(model)
         raise ValueError(f"{', '.join(f'{n} ({type(m).__name__})' for n, m in models.items())} has no module "
-                         f"ltx-kernels replaces (supported: {', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)})")
+                         f"ltx-kernels replaces (supported: {', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)})"
+                         f"{_mode_note(mode)}")
     return counts
 
 
@@ -195,6 +196,13 @@ def unkernelize(model: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+
+
+def _mode_note(mode: Mode) -> str:
+    if mode == Mode.INFERENCE:
+        return ""
+    return (f"; under {mode} kernelize keeps the stock forward of layers without a backward or without "
+            "torch.compile support, which is every layer for now: kernelize for Mode.INFERENCE, then torch.compile")
 
 
 def _hooked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -328,7 +336,8 @@ def _keep_only_matching_rotary(model: torch.nn.Module) -> None:
             continue
         try:
             expected = type(function).forward(function, q, k, cos, sin)
-            matches = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(function(q, k, cos, sin), expected))
+            actual = function(q, k, cos, sin)
+            matches = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(actual, expected))
         except (RuntimeError, ValueError, TypeError) as error:
             logging.getLogger(__name__).info("stock apply_rotary_pos_emb rejects the probe: %s", error)
             matches = False

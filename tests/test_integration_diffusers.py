@@ -43,7 +43,7 @@ def assert_matches(actual, expected, dtype, scale):
     torch.testing.assert_close(actual.float(), expected.float(), rtol=0, atol=atol)
 
 
-def compare(model, inputs, device, dtype):
+def compare(model, inputs, dtype):
     """Stock output, kernelized output, the replacement counts and the ops that ran."""
     stock = copy.deepcopy(model)
     counts = lki.kernelize_diffusers(model)
@@ -82,7 +82,7 @@ def ltx_inputs(device, dtype, per_token_timesteps=False):
 def test_ltx_video_transformer(device, dtype, per_token_timesteps):
     needs_device(device)
     model = small_ltx(device, dtype)
-    counts, ops = compare(model, ltx_inputs(device, dtype, per_token_timesteps), device, dtype)
+    counts, ops = compare(model, ltx_inputs(device, dtype, per_token_timesteps), dtype)
     # 2 blocks: the block, attn1 and attn2 (cross-attention takes the stock path), norm1 and norm2
     assert counts == {"LTXVideoTransformerBlock": 2, "LTXAttention": 4, "DiffusersRMSNorm": 4}
     assert {"adaln", "gated_residual", "gated_residual_adaln", "qk_norm_rope"} <= ops
@@ -98,7 +98,7 @@ def test_ltx_unsupported_configurations_are_left_alone():
 
     custom = model.transformer_blocks[0].attn1
     custom.set_processor(CustomProcessor())
-    counts, ops = compare(model, ltx_inputs("cpu", torch.float32), "cpu", torch.float32)
+    counts, ops = compare(model, ltx_inputs("cpu", torch.float32), torch.float32)
     assert counts == {"LTXAttention": 3, "DiffusersRMSNorm": 4}
     assert "forward" not in vars(custom) and "forward" not in vars(model.transformer_blocks[0])
     assert {"rms_norm", "qk_norm_rope"} <= ops and "adaln" not in ops
@@ -117,9 +117,10 @@ def test_sd_unet_geglu(device, dtype):
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
     model = randomised(model, device, dtype)
-    inputs = dict(sample=torch.randn(2, 4, 8, 8, device=device, dtype=dtype), timestep=torch.tensor([10, 500], device=device),
+    inputs = dict(sample=torch.randn(2, 4, 8, 8, device=device, dtype=dtype),
+                  timestep=torch.tensor([10, 500], device=device),
                   encoder_hidden_states=torch.randn(2, 5, 32, device=device, dtype=dtype))
-    counts, ops = compare(model, inputs, device, dtype)
+    counts, ops = compare(model, inputs, dtype)
     # transformer blocks: 1 down, 1 mid, 2 up (layers_per_block + 1)
     assert counts == {"GEGLU": 4} == {"GEGLU": sum(isinstance(m, GEGLU) for m in model.modules())}
     assert ops == {"geglu"}
@@ -130,8 +131,8 @@ def test_sd_unet_geglu(device, dtype):
 
 
 def small_flux(device, dtype):
-    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                                    axes_dims_rope=(4, 6, 6))
     return randomised(model, device, dtype)
 
@@ -150,7 +151,7 @@ def flux_inputs(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_flux_transformer(device, dtype):
     needs_device(device)
-    counts, ops = compare(small_flux(device, dtype), flux_inputs(device, dtype), device, dtype)
+    counts, ops = compare(small_flux(device, dtype), flux_inputs(device, dtype), dtype)
     # the double block's norm1 and norm1_context, the single block's norm, the final norm_out
     assert counts == {"AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1, "AdaLayerNormContinuous": 1}
     assert ops == {"adaln"}

@@ -182,8 +182,12 @@ def test_refuses_models_not_ready():
         lki.kernelize_transformers(on_cpu)
 
 
-def test_refuses_a_model_with_nothing_to_replace():
+def test_refuses_a_model_with_nothing_to_replace(models_to_restore):
     with pytest.raises(ValueError, match="no module ltx-kernels replaces"):
         lki.kernelize_transformers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    model = small_model("llama", "cpu", torch.float32)
+    models_to_restore.append(model)
+    with pytest.raises(ValueError, match="kernelize for Mode.INFERENCE"):  # the layers are forward only
+        lki.kernelize_transformers(model, mode=lki.Mode.TRAINING)
     with pytest.raises(TypeError, match="not a torch.nn.Module"):
         lki.kernelize_transformers("meta-llama/Llama-3.2-1B")
