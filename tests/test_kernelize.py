@@ -85,3 +85,21 @@ def test_gelu_tanh_layer(device):
     assert len(replaced(module, "GeluTanh")) == 1
     x = torch.randn(4, 257, device=device)
     torch.testing.assert_close(module(x), stock(x))
+
+
+def test_every_layer_follows_the_kernelize_rules(kernel):
+    """kernels binds only stateless layers: no __init__, no members beyond its two flags
+    (type annotations are fine), and forward only for now (the flags say so)."""
+    import inspect
+
+    layers = [obj for obj in vars(kernel.layers).values()
+              if inspect.isclass(obj) and issubclass(obj, torch.nn.Module) and obj.__module__ == kernel.layers.__name__]
+    assert {layer.__name__ for layer in layers} == {
+        "RMSNorm", "RMSNormZeroCentered", "GeluTanh", "ApplyRotaryPosEmb", "DiffusersRMSNorm", "GEGLU",
+        "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous", "LTXVideoTransformerBlock",
+        "LTXAttention"}
+    module_members = {name for name, _ in inspect.getmembers(torch.nn.Module)}
+    for layer in layers:
+        assert layer.__init__ is torch.nn.Module.__init__, layer
+        assert {name for name, _ in inspect.getmembers(layer)} - module_members <= {"has_backward", "can_torch_compile"}
+        assert layer.has_backward is False and layer.can_torch_compile is False, layer

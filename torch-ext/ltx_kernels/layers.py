@@ -1,11 +1,50 @@
 """Layers for `kernels.kernelize`: no __init__, only `forward` with the host module's
-signature, reading the host module's attributes."""
+signature, reading the host module's attributes.
+
+Each layer computes what its host computes (same roundings where the host rounds, or one
+fp32 rounding where the host rounds intermediates in the model dtype, as each docstring
+says). Whatever a layer does not support (a dtype, an affine norm, a custom attention
+processor, ...) goes to the host's own forward, ``type(self).forward``: kernelize binds the
+layer's forward to the instance and leaves the class's forward as it was.
+
+The transformers layers match the hooks transformers declares (``"RMSNorm"``,
+``"RMSNormZeroCentered"``, ``"GeluTanh"``, ``"rotary_pos_emb"``); the diffusers layers are
+for classes tagged with ``kernels.replace_kernel_forward_from_hub`` (see the README).
+"""
+
+import sys
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
-from .activations import gelu
-from .norms import rms_norm
+from .activations import geglu, gelu
+from .norms import adaln, gated_residual, gated_residual_adaln, rms_norm
+from .rope import qk_norm_rope, rope_rotate_half
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_DEVICES = ("cpu", "cuda")
+# qk_norm_rope keeps a row of q in registers on CUDA: at most 32 KiB (16384 bf16 channels).
+QK_NORM_ROPE_MAX_ROW_BYTES = 32768
+
+
+def _on_kernel(*tensors: torch.Tensor) -> bool:
+    """Every tensor has a dtype and device the ops take."""
+    return all(t.dtype in KERNEL_DTYPES and t.device.type in KERNEL_DEVICES for t in tensors)
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """x is what the row ops take without a copy: on a kernel dtype and device, a
+    contiguous last dim, leading dims that collapse into one row stride (FLUX hands its
+    final norm ``x[:, text_len:]``, which does not)."""
+    if not _on_kernel(x) or x.dim() == 0 or (x.stride(-1) != 1 and x.size(-1) != 1):
+        return False
+    outer = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    return all(stride == inner_size * inner_stride for (_, stride), (inner_size, inner_stride) in zip(outer, outer[1:]))
+
+
+# ---------------------------------------------------------------------------------------
+# transformers
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +59,8 @@ class RMSNorm(nn.Module):
     can_torch_compile = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _rows(hidden_states):
+            return type(self).forward(self, hidden_states)
         weight = self.weight
         if hidden_states.dtype == torch.float32 and weight.dtype != torch.float32:
             weight = weight.float()  # fp32 activations, low-precision weight: the host computes in fp32
@@ -30,9 +71,9 @@ class RMSNorm(nn.Module):
 
 class RMSNormZeroCentered(nn.Module):
     """For transformers' ``"RMSNormZeroCentered"`` hook (Qwen3.5) and Gemma's RMSNorm
-    (mark it with ``kernels.replace_kernel_forward_from_hub``): ``norm(x.float()) *
-    (1 + weight.float())`` rounded once to x's dtype, from the host's ``weight`` and
-    ``eps``."""
+    (Gemma, Gemma2, Gemma3; mark it with ``kernels.replace_kernel_forward_from_hub``):
+    ``norm(x.float()) * (1 + weight.float())`` rounded once to x's dtype, from the host's
+    ``weight`` and ``eps``."""
 
     weight: torch.Tensor
     eps: float
@@ -41,7 +82,12 @@ class RMSNormZeroCentered(nn.Module):
     can_torch_compile = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, weight_offset=1.0)
+        if not _rows(x):
+            return type(self).forward(self, x)
+        weight = self.weight
+        if weight.dtype not in (x.dtype, torch.float32):
+            weight = weight.float()  # the host upcasts the weight anyway: exact
+        return rms_norm(x, weight, self.eps, weight_offset=1.0)
 
 
 class GeluTanh(nn.Module):
@@ -51,4 +97,334 @@ class GeluTanh(nn.Module):
     can_torch_compile = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _rows(input):
+            return type(self).forward(self, input)
         return gelu(input, "tanh")
+
+
+class ApplyRotaryPosEmb(nn.Module):
+    """For transformers' ``"rotary_pos_emb"`` function hook, ``apply_rotary_pos_emb(q, k,
+    cos, sin, unsqueeze_dim=1)`` of Llama, Mistral, Qwen2/3, Gemma and the ~100 model
+    files sharing that body: ``x * cos + rotate_half(x) * sin`` on q ``[B, Hq, S, D]`` and
+    k ``[B, Hkv, S, D]`` (``[B, S, H, D]`` for ``unsqueeze_dim=2``) with cos/sin
+    ``[B, S, D]`` in q's dtype; one rounding where the host rounds each product.
+
+    Tables of another width (gpt-oss passes half-width tables) or another dtype (the host
+    would promote), and any other layout, go to the host function. A model file whose
+    function has the same signature but other math (nanochat flips the rotation's sign)
+    cannot be told apart here: the integration module checks each hooked function
+    against this layer before it keeps the replacement."""
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        if not _rotate_half_applies(q, k, cos, sin, unsqueeze_dim):
+            return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
+        # unsqueeze_dim is where the heads are: [B, H, S, D] (1) or [B, S, H, D] (2).
+        return rope_rotate_half(q, k, cos, sin, sequence_dim=3 - unsqueeze_dim)
+
+
+def _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) -> bool:
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos.dim() not in (2, 3):
+        return False
+    sequence_dim = 3 - unsqueeze_dim
+    return (_on_kernel(q, k, cos, sin)
+            and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and cos.shape == sin.shape and cos.stride() == sin.stride()
+            and cos.size(-1) == q.size(-1) == k.size(-1) and q.size(-1) % 2 == 0
+            and cos.size(-2) == q.size(sequence_dim) == k.size(sequence_dim)
+            and (cos.dim() == 2 or cos.size(0) in (1, q.size(0)))
+            and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1)
+
+
+# ---------------------------------------------------------------------------------------
+# diffusers
+
+
+class DiffusersRMSNorm(nn.Module):
+    """For ``diffusers.models.normalization.RMSNorm``: ``x * rsqrt(mean(x**2) + eps)`` in
+    fp32, then without a weight rounded to x's dtype; with an fp16/bf16 weight rounded to
+    the weight's dtype before the weight multiply; with an fp32 weight multiplied in fp32
+    and returned in fp32 (the host's type promotion). A bias, or a low-precision weight of
+    another dtype than x, goes to the host."""
+
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    eps: float
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, hidden_states):
+        weight = self.weight
+        if self.bias is not None or not _rows(hidden_states):
+            return type(self).forward(self, hidden_states)
+        if weight is None:
+            return rms_norm(hidden_states, None, self.eps)
+        if weight.dtype == torch.float32:
+            return rms_norm(hidden_states, weight, self.eps, out_dtype=torch.float32)
+        if weight.dtype == hidden_states.dtype:
+            return rms_norm(hidden_states, weight, self.eps, cast_before_weight=True)
+        return type(self).forward(self, hidden_states)
+
+
+class GEGLU(nn.Module):
+    """For ``diffusers.models.activations.GEGLU`` (SD 1.x/2.x/XL UNets, AnimateDiff,
+    Hunyuan-DiT): ``value, gate = proj(x).chunk(2, -1)``, ``value * gelu(gate)`` with the
+    exact (erf) GELU, in one pass over the projection's output."""
+
+    proj: nn.Linear
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args or kwargs.get("scale") is not None:
+            return type(self).forward(self, hidden_states, *args, **kwargs)  # the host warns about `scale`
+        hidden_states = self.proj(hidden_states)
+        if not _rows(hidden_states):
+            hidden_states, gate = hidden_states.chunk(2, dim=-1)  # the host's expression
+            return hidden_states * self.gelu(gate)
+        return geglu(hidden_states, "none")
+
+
+class AdaLayerNormZero(nn.Module):
+    """For diffusers' ``AdaLayerNormZero`` (DiT, PixArt, FLUX double blocks, SD3): the
+    host's conditioning path (``linear(silu(emb))``, six chunks, shift first), then
+    ``norm(x) * (1 + scale_msa) + shift_msa`` in one pass (LayerNorm without affine),
+    rounded once where the host rounds the norm, the product and the sum."""
+
+    emb: Optional[nn.Module]
+    silu: nn.Module
+    linear: nn.Linear
+    norm: nn.Module
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+        if self.emb is not None:
+            emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        x = _modulate(self.norm, x, scale_msa, shift_msa)
+        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class AdaLayerNormZeroSingle(nn.Module):
+    """For diffusers' ``AdaLayerNormZeroSingle`` (FLUX single blocks): three chunks,
+    ``norm(x) * (1 + scale) + shift`` in one pass."""
+
+    silu: nn.Module
+    linear: nn.Linear
+    norm: nn.Module
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, x, emb=None):
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+        return _modulate(self.norm, x, scale_msa, shift_msa), gate_msa
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """For diffusers' ``AdaLayerNormContinuous`` (SD3, FLUX, and others' final norm):
+    ``linear(silu(c).to(x.dtype))`` chunked scale first, then ``norm(x) * (1 + scale) +
+    shift`` in one pass. Its norm must have no affine parameters (``elementwise_affine=
+    False``, what these models build); an affine norm goes to the host's math."""
+
+    silu: nn.Module
+    linear: nn.Linear
+    norm: nn.Module
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, x, conditioning_embedding):
+        emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+        scale, shift = torch.chunk(emb, 2, dim=1)
+        return _modulate(self.norm, x, scale, shift)
+
+
+def _adaptive_norm_kind(norm: nn.Module) -> Optional[Tuple[str, float]]:
+    """``("layer", eps)`` or ``("rms", eps)`` for a norm module that `adaln` computes (no
+    affine parameters, normalising the last dim), else None."""
+    if getattr(norm, "weight", None) is not None or getattr(norm, "bias", None) is not None:
+        return None
+    eps = getattr(norm, "eps", None)
+    if not isinstance(eps, float):
+        return None
+    if isinstance(norm, nn.LayerNorm):  # also diffusers' LayerNorm and FP32LayerNorm
+        return ("layer", eps) if len(norm.normalized_shape) == 1 else None
+    if type(norm).__name__ == "RMSNorm":  # torch's, or diffusers' (both x * rsqrt(mean(x**2) + eps))
+        return "rms", eps
+    return None
+
+
+def _modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The AdaLN modulate of diffusers' norm layers: ``norm(x) * (1 + scale[:, None]) +
+    shift[:, None]`` with scale and shift ``[B, D]``, fused when `adaln` computes it, the
+    host's expression otherwise."""
+    kind = _adaptive_norm_kind(norm)
+    if (kind is None or x.dim() != 3 or not _rows(x)
+            or scale.dtype != x.dtype or shift.dtype != x.dtype or scale.dim() != 2):
+        return norm(x) * (1 + scale[:, None]) + shift[:, None]
+    return adaln(x, scale[:, None], shift[:, None], kind[1], norm=kind[0])
+
+
+class LTXVideoTransformerBlock(nn.Module):
+    """For diffusers' ``LTXVideoTransformerBlock``: the stock block with its norms,
+    modulations and residuals (a chain of elementwise ops in the host) in four launches:
+
+    - ``norm1(x) * (1 + scale_msa) + shift_msa``: one `adaln` (RMS);
+    - ``x + attn1 * gate_msa``: one `gated_residual`;
+    - ``x + attn2`` and ``norm2(x) * (1 + scale_mlp) + shift_mlp``: one
+      `gated_residual_adaln` with a unit gate (the sum is rounded as the host rounds it);
+    - ``x + ff * gate_mlp``: one `gated_residual`.
+
+    attn1, attn2 (cross-attention, unchanged) and ff are the block's own modules, each
+    kernelized or not on its own. The ada values are the host's expression (bit-identical).
+    The fused steps compute in fp32 and round once where the host rounds the norm, the
+    product and the sum in the model dtype. Affine norms, or ada values of another dtype
+    than the hidden states, go to the host's forward."""
+
+    norm1: nn.Module
+    norm2: nn.Module
+    attn1: nn.Module
+    attn2: nn.Module
+    ff: nn.Module
+    scale_shift_table: torch.Tensor
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, encoder_attention_mask=None):
+        norm1, norm2 = _adaptive_norm_kind(self.norm1), _adaptive_norm_kind(self.norm2)
+        if (norm1 is None or norm1[0] != "rms" or norm2 is None or norm2[0] != "rms"
+                or self.scale_shift_table.shape[0] != 6 or hidden_states.dim() != 3 or not _rows(hidden_states)
+                or torch.promote_types(self.scale_shift_table.dtype, temb.dtype) != hidden_states.dtype):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                      encoder_attention_mask)
+        batch_size = hidden_states.size(0)
+        ada_values = self.scale_shift_table[None, None].to(temb.device) + temb.reshape(
+            batch_size, temb.size(1), 6, -1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
+
+        norm_hidden_states = adaln(hidden_states, scale_msa, shift_msa, norm1[1], norm="rms")
+        attn_hidden_states = self.attn1(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=None,
+            image_rotary_emb=image_rotary_emb,
+        )
+        hidden_states = gated_residual(hidden_states, attn_hidden_states, gate_msa)
+
+        attn_hidden_states = self.attn2(
+            hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            image_rotary_emb=None,
+            attention_mask=encoder_attention_mask,
+        )
+        unit_gate = hidden_states.new_ones(hidden_states.size(-1))
+        hidden_states, norm_hidden_states = gated_residual_adaln(
+            hidden_states, attn_hidden_states, unit_gate, scale_mlp, shift_mlp, norm2[1], norm="rms")
+
+        ff_output = self.ff(norm_hidden_states)
+        return gated_residual(hidden_states, ff_output, gate_mlp)
+
+
+class LTXAttention(nn.Module):
+    """For diffusers' ``LTXAttention`` with its stock ``LTXVideoAttnProcessor``: the
+    self-attention prologue ``norm_q(to_q(x))``, ``norm_k(to_k(x))`` (RMSNorm across all
+    heads) and the interleaved RoPE in one `qk_norm_rope` launch (same roundings as the
+    host), then the processor's own attention call: the ``dispatch_attention_fn`` of the
+    module that defines the processor, with its attention backend and parallel config, so
+    attention backends chosen through diffusers still apply.
+
+    Cross-attention (no RoPE), attention kwargs, other processors, and q/k the fused
+    prologue does not take (dtypes, norm weights of another dtype, rows over 32 KiB) go to
+    the host's path."""
+
+    heads: int
+    to_q: nn.Module
+    to_k: nn.Module
+    to_v: nn.Module
+    norm_q: nn.Module
+    norm_k: nn.Module
+    to_out: nn.ModuleList
+    processor: object
+
+    has_backward = False
+    can_torch_compile = False
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
+                **kwargs):
+        stock = _stock_ltx_processor_module(self)
+        if (stock is None or kwargs or encoder_hidden_states is not None or image_rotary_emb is None
+                or hidden_states.dim() != 3):
+            return type(self).forward(self, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                                      **kwargs)
+        batch_size, sequence_length, _ = hidden_states.shape
+        if attention_mask is not None:
+            attention_mask = self.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, self.heads, -1, attention_mask.shape[-1])
+
+        query = self.to_q(hidden_states)
+        key = self.to_k(hidden_states)
+        value = self.to_v(hidden_states)
+        cos, sin = image_rotary_emb
+        if _qk_norm_rope_applies(self, query, key, cos, sin):
+            query, key = qk_norm_rope(query, key, self.norm_q.weight, self.norm_k.weight, cos, sin, self.norm_q.eps)
+        else:
+            query = stock.apply_rotary_emb(self.norm_q(query), image_rotary_emb)
+            key = stock.apply_rotary_emb(self.norm_k(key), image_rotary_emb)
+
+        query = query.unflatten(2, (self.heads, -1))
+        key = key.unflatten(2, (self.heads, -1))
+        value = value.unflatten(2, (self.heads, -1))
+
+        processor = self.processor
+        hidden_states = stock.dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=processor._attention_backend,
+            parallel_config=processor._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        hidden_states = self.to_out[0](hidden_states)
+        hidden_states = self.to_out[1](hidden_states)
+        return hidden_states
+
+
+def _stock_ltx_processor_module(attn: nn.Module):
+    """The module defining attn's processor when that is diffusers' stock
+    ``LTXVideoAttnProcessor`` (already imported by the host: nothing is imported here),
+    else None."""
+    processor_cls = type(getattr(attn, "processor", None))
+    if processor_cls.__name__ != "LTXVideoAttnProcessor":
+        return None
+    module = sys.modules.get(processor_cls.__module__)
+    if not (hasattr(module, "dispatch_attention_fn") and hasattr(module, "apply_rotary_emb")):
+        return None
+    return module
+
+
+def _qk_norm_rope_applies(attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> bool:
+    norm_q, norm_k = attn.norm_q, attn.norm_k
+    if not (isinstance(norm_q, nn.RMSNorm) and isinstance(norm_k, nn.RMSNorm)):
+        return False
+    q_weight, k_weight = norm_q.weight, norm_k.weight
+    return (q_weight is not None and k_weight is not None and isinstance(norm_q.eps, float)
+            and norm_q.eps == norm_k.eps and query.shape == key.shape and _on_kernel(query)
+            and query.dtype == key.dtype == q_weight.dtype == k_weight.dtype
+            and query.size(-1) * query.element_size() <= QK_NORM_ROPE_MAX_ROW_BYTES
+            and cos.shape == sin.shape and cos.dim() in (2, 3) and cos.shape[-2:] == query.shape[-2:]
+            and cos.dtype in (torch.float32, query.dtype))

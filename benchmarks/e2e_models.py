@@ -1,0 +1,328 @@
+"""End-to-end model benchmarks: whole forwards stock and with ltx-kernels, eager and
+compiled.
+
+Workloads (random weights, models built from their configs, bf16):
+- LTX-Video transformer, default config (the 2B model), batch 2 (CFG), 128 text tokens:
+  49 frames at 512x768 (latent 7x16x24 = 2688 tokens) and 161 frames (21x16x24 = 8064);
+- Qwen3-8B: prefill of 512 and 8192 tokens (batch 1, logits of the last token, as generate
+  computes them) and one decode step on a 4096-token KV cache.
+
+Configurations: eager; eager + kernels (`ltx_kernels_integration.kernelize_*`); compile
+(`torch.compile(model, fullgraph=True)`); compile + kernels (kernelized for inference, then
+compiled). A configuration that fails (e.g. a graph break under fullgraph) is reported with
+its error rather than stopping the run.
+
+Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
+whole models), after warmup; the median is reported. Each kernelized output is compared
+with the eager one. Also a torch.profiler breakdown of the kernels of one kernelized eager
+LTX forward (49 frames), a Markdown table, JSON (--json) and a PNG bar chart (matplotlib, if
+importable).
+
+    python benchmarks/e2e_models.py --json benchmarks/results/e2e_h200.json   # on a GPU
+    python benchmarks/e2e_models.py --tiny                                    # small models, seconds on CPU
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
+
+from ltx_kernels_integration import kernelize_diffusers, kernelize_transformers, unkernelize  # noqa: E402
+
+CONFIGS = ("eager", "eager+kernels", "compile", "compile+kernels")
+DTYPE = torch.bfloat16
+LTX_TEXT_TOKENS = 128
+# latent (frames, height, width) per video length at 512x768 (VAE: 8x temporal, 32x spatial)
+LTX_LATENTS = {"49 frames": (7, 16, 24), "161 frames": (21, 16, 24)}
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                tie_word_embeddings=False)
+QWEN3_PREFILLS = (512, 8192)
+QWEN3_DECODE_CACHE = 4096
+# --tiny: the same code paths on models and shapes that run in seconds on a CPU.
+TINY_LTX = dict(in_channels=16, out_channels=16, num_attention_heads=4, attention_head_dim=16, cross_attention_dim=64,
+                num_layers=2, caption_channels=32)
+TINY_LTX_LATENTS = {"2 latent frames": (2, 4, 4)}
+TINY_QWEN3 = dict(QWEN3_8B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+TINY_PREFILLS, TINY_DECODE_CACHE = (32,), 64
+
+
+@dataclass
+class Workload:
+    model: str  # "ltx" or "qwen3"
+    name: str
+    run: Callable[[torch.nn.Module], torch.Tensor]  # one forward of the (maybe compiled) model
+
+
+@dataclass
+class Result:
+    workload: str
+    config: str
+    ms: Optional[float] = None
+    max_abs_diff: Optional[float] = None  # vs the first configuration run (eager by default)
+    replaced: Dict[str, int] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+def ltx_workloads(model, device, tiny) -> List[Workload]:
+    workloads = []
+    text = 8 if tiny else LTX_TEXT_TOKENS
+    for name, (frames, height, width) in (TINY_LTX_LATENTS if tiny else LTX_LATENTS).items():
+        generator = torch.Generator(device).manual_seed(0)
+        tokens = frames * height * width
+        inputs = dict(
+            hidden_states=torch.randn(2, tokens, model.config.in_channels, device=device, dtype=DTYPE,
+                                      generator=generator),
+            encoder_hidden_states=torch.randn(2, text, model.config.caption_channels, device=device, dtype=DTYPE,
+                                              generator=generator),
+            timestep=torch.tensor([500, 500], device=device),
+            encoder_attention_mask=torch.ones(2, text, device=device),
+            num_frames=frames, height=height, width=width, return_dict=False)
+        workloads.append(Workload("ltx", f"LTX-Video {name} ({2 * tokens} tokens)",
+                                  lambda m, inputs=inputs: m(**inputs)[0]))
+    return workloads
+
+
+def qwen3_workloads(model, device, tiny) -> List[Workload]:
+    vocab = model.config.vocab_size
+    workloads = []
+    for length in TINY_PREFILLS if tiny else QWEN3_PREFILLS:
+        ids = torch.randint(0, vocab, (1, length), device=device)
+        workloads.append(Workload("qwen3", f"Qwen3 prefill {length}",
+                                  lambda m, ids=ids: m(ids, use_cache=False, logits_to_keep=1).logits))
+    cached = TINY_DECODE_CACHE if tiny else QWEN3_DECODE_CACHE
+    with torch.no_grad():  # the cache is data: filled once, by the stock model
+        cache = model(torch.randint(0, vocab, (1, cached), device=device), use_cache=True,
+                      logits_to_keep=1).past_key_values
+    token = torch.randint(0, vocab, (1, 1), device=device)
+
+    def decode_step(m):
+        logits = m(token, past_key_values=cache, use_cache=True).logits
+        cache.crop(-1)  # back to `cached` tokens (views only) for the next step
+        return logits
+
+    workloads.append(Workload("qwen3", f"Qwen3 decode step, {cached}-token KV cache", decode_step))
+    return workloads
+
+
+def parameters(model) -> str:
+    count = sum(p.numel() for p in model.parameters())
+    return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+
+
+def median_ms(fn, device, warmup, repeats) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start_s) * 1e3)
+    return statistics.median(times)
+
+
+def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options) -> List[Result]:
+    results, eager_outputs = [], {}
+    for config in configs:
+        unkernelize(model)
+        torch._dynamo.reset()  # each configuration compiles its own graphs
+        replaced = kernelize(model) if config.endswith("+kernels") else {}
+        runner = torch.compile(model, dynamic=False, **compile_options) if config.startswith("compile") else model
+        for workload in workloads:
+            result = Result(workload.name, config, replaced=replaced)
+            try:
+                with torch.no_grad():
+                    output = workload.run(runner).float()
+                    result.ms = median_ms(lambda: workload.run(runner), device, *timing)
+            except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
+                result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                print(f"  {workload.name} / {config}: {result.error}", flush=True)
+            else:
+                eager_outputs.setdefault(workload.name, output)
+                result.max_abs_diff = (output - eager_outputs[workload.name]).abs().max().item()
+                print(f"  {workload.name} / {config}: {result.ms:.2f} ms", flush=True)
+            results.append(result)
+    unkernelize(model)
+    return results
+
+
+def profile_kernels(fn, device, top) -> List[dict]:
+    """The ``top`` kernels (CUDA) or ops (CPU) by their own time in one call of ``fn``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.no_grad():
+        fn()
+        with torch.profiler.profile(activities=activities) as profiler:
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+    on_device = device == "cuda"
+    events = [e for e in profiler.key_averages()
+              if (e.device_type == torch.autograd.DeviceType.CUDA) == on_device
+              and (e.self_device_time_total if on_device else e.self_cpu_time_total) > 0]
+    us = {e.key: e.self_device_time_total if on_device else e.self_cpu_time_total for e in events}
+    total = sum(us.values())
+    counts = {e.key: e.count for e in events}
+    ranked = sorted(us, key=us.get, reverse=True)[:top]
+    return [dict(name=name, calls=counts[name], ms=us[name] / 1e3, percent=100 * us[name] / total)
+            for name in ranked]
+
+
+def markdown(results: List[Result], configs) -> str:
+    by_workload: Dict[str, Dict[str, Result]] = {}
+    for r in results:
+        by_workload.setdefault(r.workload, {})[r.config] = r
+    header = ["workload", *[f"{c} (ms)" for c in configs]]
+    speedups = [(a, b) for a, b in (("eager+kernels", "eager"), ("compile+kernels", "compile"), ("compile", "eager"))
+                if a in configs and b in configs]
+    header += [f"{a} vs {b}" for a, b in speedups] + ["max abs diff (kernels)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for workload, row in by_workload.items():
+        cells = [workload]
+        cells += [f"{row[c].ms:.2f}" if row.get(c) and row[c].ms is not None else "failed" for c in configs]
+        for a, b in speedups:
+            fast, base = row.get(a), row.get(b)
+            ok = fast and base and fast.ms and base.ms
+            cells.append(f"{base.ms / fast.ms:.2f}x" if ok else "-")
+        diffs = [row[c].max_abs_diff for c in configs if c.endswith("+kernels") and row.get(c)
+                 and row[c].max_abs_diff is not None]
+        cells.append(f"{max(diffs):.2e}" if diffs else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: List[Result], configs, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    eager = {r.workload: r.ms for r in results if r.config == "eager" and r.ms}
+    fig, ax = plt.subplots(figsize=(2 + 2.2 * len(workloads), 4.5))
+    width = 0.8 / len(configs)
+    for i, config in enumerate(configs):
+        speedups = [next((eager[w] / r.ms for r in results if r.workload == w and r.config == config and r.ms
+                          and w in eager), 0.0) for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], speedups, width, label=config)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([x + width * (len(configs) - 1) / 2 for x in range(len(workloads))])
+    ax.set_xticklabels(workloads, rotation=15, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over eager")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def environment(device) -> dict:
+    import diffusers
+    import kernels
+    import transformers
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        rev = None
+    return dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__,
+                transformers=transformers.__version__, kernels=kernels.__version__, git_rev=rev)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small models and shapes (seconds on a CPU)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", default="ltx,qwen3", help="comma-separated: ltx, qwen3")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--warmup", type=int, default=None, help="calls before timing (default 3 on a GPU, 1 on CPU)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10 on a GPU, 3 on CPU)")
+    parser.add_argument("--no-fullgraph", dest="fullgraph", action="store_false", help="allow graph breaks")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend (\"eager\": only dynamo's tracing, to check for graph breaks)")
+    parser.add_argument("--profile-top", type=int, default=15, help="kernels in the profile (0: no profile)")
+    parser.add_argument("--json", type=Path, help="write the results here (and the plot beside it, .png)")
+    args = parser.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}")
+    device = args.device
+    compile_options = dict(fullgraph=args.fullgraph, backend=args.compile_backend)
+    timing = (args.warmup if args.warmup is not None else (3 if device == "cuda" else 1),
+              args.repeats if args.repeats is not None else (10 if device == "cuda" else 3))
+
+    from diffusers import LTXVideoTransformer3DModel
+    from diffusers.utils import logging as diffusers_logging
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    diffusers_logging.set_verbosity_error()  # its note on casting with .to(dtype) is about fp32 modules it has none of
+    results: List[Result] = []
+    profile = []
+    if "ltx" in args.models:
+        torch.manual_seed(0)
+        with torch.device(device):  # random init on the device: seconds, where the CPU takes minutes
+            ltx = LTXVideoTransformer3DModel(**(TINY_LTX if args.tiny else {})).to(DTYPE).eval()
+        workloads = ltx_workloads(ltx, device, args.tiny)
+        print(f"LTX-Video transformer: {parameters(ltx)} parameters", flush=True)
+        results += benchmark_model(ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options)
+        if args.profile_top:
+            kernelize_diffusers(ltx)
+            profile = profile_kernels(lambda: workloads[0].run(ltx), device, args.profile_top)
+            unkernelize(ltx)
+        del ltx, workloads
+    if "qwen3" in args.models:
+        torch.manual_seed(0)
+        with torch.device(device):
+            qwen = Qwen3ForCausalLM(Qwen3Config(**(TINY_QWEN3 if args.tiny else QWEN3_8B))).to(DTYPE).eval()
+        print(f"Qwen3: {parameters(qwen)} parameters", flush=True)
+        results += benchmark_model(qwen, qwen3_workloads(qwen, device, args.tiny), kernelize_transformers, configs,
+                                   device, timing, compile_options)
+        del qwen
+
+    env = environment(device)
+    print(f"\n{env['device']}, torch {env['torch']}, {DTYPE}, median of {timing[1]} after {timing[0]} warmup\n")
+    print(markdown(results, configs))
+    if profile:
+        print(f"\nWhere the kernelized eager {results[0].workload} spends its time (top {len(profile)}):\n")
+        print("| kernel | calls | ms | % |\n|---|---|---|---|")
+        for row in profile:
+            print(f"| {row['name'][:90]} | {row['calls']} | {row['ms']:.3f} | {row['percent']:.1f} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(environment=env, tiny=args.tiny, timing=dict(warmup=timing[0],
+                             repeats=timing[1]), compile=compile_options, results=[asdict(r) for r in results],
+                             profile=profile), indent=2))
+        print(f"\njson: {args.json}")
+        plot(results, configs, args.json.with_suffix(".png"))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Run a transformers model or a diffusers pipeline on ltx-kernels' layers with one call.
+
+    from ltx_kernels_integration import kernelize_diffusers, kernelize_transformers
+
+    pipe.to("cuda")                        # first move the model,
+    counts = kernelize_diffusers(pipe)     # then kernelize (its transformer / unet),
+    pipe.enable_model_cpu_offload()        # and only then install offload hooks, if any
+
+    model = AutoModelForCausalLM.from_pretrained(..., device_map="cuda")
+    counts = kernelize_transformers(model)  # {"RMSNorm": 145, "ApplyRotaryPosEmb": 1, ...}
+
+Both return how many modules each layer replaced and refuse, with a message saying what to
+do, when the model is on no single device type, still on the meta device, behind CPU or
+group offload hooks, or holds nothing these layers replace. The layers come from this
+checkout's build (`python -m builder`; ``repo=Path(...)`` for another one, ``backend="cpu"``
+for its CPU variant) or from the Hub (``repo="ltx-kernels/ltx-kernels"``, version 1; kernels'
+``LOCAL_KERNELS=ltx-kernels/ltx-kernels=/path`` override applies to it).
+
+transformers declares hub hooks itself (``"RMSNorm"``, ``"RMSNormZeroCentered"``,
+``"GeluTanh"``, ``"rotary_pos_emb"``); Gemma's RMSNorm classes and the diffusers classes
+have none, so this module tags them with ``kernels.replace_kernel_forward_from_hub`` (with a
+condition that leaves configurations the layers do not fuse, such as affine norms or
+custom attention processors, on their stock forward). `kernels.kernelize` replaces the
+forward of every tagged module in the model: ours where this mapping has a layer, the
+stock forward everywhere else.
+
+Unlike modules, transformers' ``apply_rotary_pos_emb`` hook is one object per model file,
+shared by every model of that type in the process; `unkernelize` puts the stock forwards
+back (used by the examples and benchmarks to compare against the stock model).
+"""
+
+import contextlib
+import importlib
+import logging
+import sys
+from pathlib import Path
+from types import MethodType
+from typing import Dict, Iterator, Optional, Union
+
+import torch
+from kernels import LayerRepository, LocalLayerRepository, Mode, get_local_kernel, kernelize, \
+    replace_kernel_forward_from_hub, use_kernel_mapping
+
+HUB_REPO_ID = "ltx-kernels/ltx-kernels"
+HUB_VERSION = 1
+CHECKOUT = Path(__file__).resolve().parent
+DEVICES = ("cuda", "cpu")
+
+# transformers hook name -> our layer.
+TRANSFORMERS_LAYERS = {
+    "RMSNorm": "RMSNorm",
+    "RMSNormZeroCentered": "RMSNormZeroCentered",
+    "GeluTanh": "GeluTanh",
+    "rotary_pos_emb": "ApplyRotaryPosEmb",
+}
+# transformers classes without a hook, tagged here: "module:Class" -> hook name.
+TRANSFORMERS_TAGGED = {
+    "transformers.models.gemma.modeling_gemma:GemmaRMSNorm": "RMSNormZeroCentered",
+    "transformers.models.gemma2.modeling_gemma2:Gemma2RMSNorm": "RMSNormZeroCentered",
+    "transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm": "RMSNormZeroCentered",
+}
+# diffusers classes, tagged here: "module:Class" -> our layer (also the hook name).
+DIFFUSERS_LAYERS = {
+    "diffusers.models.normalization:RMSNorm": "DiffusersRMSNorm",
+    "diffusers.models.activations:GEGLU": "GEGLU",
+    "diffusers.models.normalization:AdaLayerNormZero": "AdaLayerNormZero",
+    "diffusers.models.normalization:AdaLayerNormZeroSingle": "AdaLayerNormZeroSingle",
+    "diffusers.models.normalization:AdaLayerNormContinuous": "AdaLayerNormContinuous",
+    "diffusers.models.transformers.transformer_ltx:LTXVideoTransformerBlock": "LTXVideoTransformerBlock",
+    "diffusers.models.transformers.transformer_ltx:LTXAttention": "LTXAttention",
+}
+# The pipeline components kernelize_diffusers kernelizes.
+DIFFUSERS_COMPONENTS = ("transformer", "transformer_2", "unet")
+
+Repo = Union[str, Path, None]
+
+
+class _VariantRepository:
+    """A local build's layer from one variant (kernels' LocalLayerRepository loads the
+    variant of torch's backend; this one can load the CPU variant under a CUDA torch)."""
+
+    def __init__(self, path: Path, layer_name: str, backend: str):
+        self.path, self.layer_name, self.backend = path, layer_name, backend
+
+    def load(self):
+        return getattr(get_local_kernel(self.path, backend=self.backend).layers, self.layer_name)
+
+    def __eq__(self, other):
+        return isinstance(other, _VariantRepository) and (self.path, self.layer_name, self.backend) == (
+            other.path, other.layer_name, other.backend)
+
+    def __hash__(self):
+        return hash((self.path, self.layer_name, self.backend))
+
+    def __str__(self):
+        return f"`{self.path}` ({self.backend} variant, layer `{self.layer_name}`)"
+
+
+def _repository(layer_name: str, repo: Repo, backend: Optional[str], revision: Optional[str]):
+    if repo is None:
+        repo = CHECKOUT if (CHECKOUT / "build").is_dir() else HUB_REPO_ID
+    if isinstance(repo, Path):
+        if backend is not None:
+            return _VariantRepository(repo, layer_name, backend)
+        return LocalLayerRepository(repo, layer_name=layer_name)
+    if backend is not None:
+        raise ValueError("backend= picks a variant of a local build; the Hub picks torch's variant itself")
+    if revision is not None:
+        return LayerRepository(repo, layer_name=layer_name, revision=revision)
+    return LayerRepository(repo, layer_name=layer_name, version=HUB_VERSION)
+
+
+def kernel_mapping(hooks: Dict[str, str], repo: Repo = None, *, backend: Optional[str] = None,
+                   revision: Optional[str] = None) -> dict:
+    """The `kernels.use_kernel_mapping` mapping from hook names to our layers (for CUDA and
+    CPU). ``repo``: a local checkout (Path, with its build/), a Hub repo id (str; version 1,
+    or ``revision``), or None for this checkout's build when it has one, else the Hub."""
+    return {hook: {device: _repository(layer, repo, backend, revision) for device in DEVICES}
+            for hook, layer in hooks.items()}
+
+
+def transformers_mapping(repo: Repo = None, **kwargs) -> dict:
+    """The mapping for transformers' hooks: ``with use_kernel_mapping(transformers_mapping()):
+    kernelize(model, mode=Mode.INFERENCE)``. Tags Gemma's RMSNorm classes first."""
+    _tag(TRANSFORMERS_TAGGED)
+    return kernel_mapping(TRANSFORMERS_LAYERS, repo, **kwargs)
+
+
+def diffusers_mapping(repo: Repo = None, **kwargs) -> dict:
+    """The mapping for the diffusers classes, after tagging them."""
+    _tag(DIFFUSERS_LAYERS, conditions=_DIFFUSERS_CONDITIONS)
+    return kernel_mapping({layer: layer for layer in DIFFUSERS_LAYERS.values()}, repo, **kwargs)
+
+
+def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device: Optional[str] = None,
+                           mode: Mode = Mode.INFERENCE, **kwargs) -> Dict[str, int]:
+    """Kernelize a transformers model (after ``.to(device)``); returns the number of
+    modules each layer replaced. Hooked ``apply_rotary_pos_emb`` functions whose math is not
+    the Llama rotation this layer computes are put back to stock (see `ApplyRotaryPosEmb`)."""
+    device = _check_ready(model, device, "model")
+    _relink_copied_functions(model)
+    with use_kernel_mapping(transformers_mapping(repo, **kwargs), inherit_mapping=False), _quiet_unmapped_hooks():
+        kernelize(model, mode=mode, device=device)
+    _keep_only_matching_rotary(model)
+    counts = replaced_modules(model, TRANSFORMERS_LAYERS.values())
+    if not counts:
+        unkernelize(model)
+        raise ValueError(f"{type(model).__name__} has no module ltx-kernels replaces (hooks it maps: "
+                         f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm){_mode_note(mode)}")
+    return counts
+
+
+def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optional[str] = None,
+                        mode: Mode = Mode.INFERENCE, **kwargs) -> Dict[str, int]:
+    """Kernelize a diffusers pipeline's transformer / unet, or a diffusers model itself
+    (after ``.to(device)``, before ``enable_model_cpu_offload()``); returns the number of
+    modules each layer replaced, over all components."""
+    models = _diffusers_models(pipeline_or_model)
+    devices = {name: _check_ready(model, device, name) for name, model in models.items()}
+    mapping = diffusers_mapping(repo, **kwargs)
+    counts: Dict[str, int] = {}
+    with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_unmapped_hooks():
+        for name, model in models.items():
+            kernelize(model, mode=mode, device=devices[name])
+            for layer, count in replaced_modules(model, DIFFUSERS_LAYERS.values()).items():
+                counts[layer] = counts.get(layer, 0) + count
+    if not counts:
+        for model in models.values():
+            unkernelize(model)
+        raise ValueError(f"{', '.join(f'{n} ({type(m).__name__})' for n, m in models.items())} has no module "
+                         f"ltx-kernels replaces (supported: {', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)})"
+                         f"{_mode_note(mode)}")
+    return counts
+
+
+def replaced_modules(model: torch.nn.Module, layers=None) -> Dict[str, int]:
+    """How many modules (and hooked functions) of ``model`` run one of our layers, per
+    layer name (``layers`` limits the names counted)."""
+    counts: Dict[str, int] = {}
+    for module in _hooked(model):
+        forward = vars(module).get("forward")
+        func = getattr(forward, "__func__", None)
+        if func is None or func is type(module).forward:
+            continue
+        layer = func.__qualname__.split(".")[0]
+        if (layers is None or layer in layers) and func.__module__.endswith(".layers"):
+            counts[layer] = counts.get(layer, 0) + 1
+    return counts
+
+
+def unkernelize(model: torch.nn.Module) -> None:
+    """Every hooked module of ``model`` (and hooked function, shared by its model file)
+    back to its stock forward."""
+    for module in _hooked(model):
+        vars(module).pop("forward", None)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _mode_note(mode: Mode) -> str:
+    if mode == Mode.INFERENCE:
+        return ""
+    return (f"; under {mode} kernelize keeps the stock forward of layers without a backward or without "
+            "torch.compile support, which is every layer for now: kernelize for Mode.INFERENCE, then torch.compile")
+
+
+def _hooked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The modules kernelize binds: tagged modules and the function modules attached to
+    modules through `use_kernelized_func` (transformers' apply_rotary_pos_emb, one object
+    shared by the model's attention modules), each once."""
+    seen = set()
+    for module in model.modules():
+        for hooked in (module, *getattr(module, "_kernel_funcs", {}).values()):
+            if hasattr(type(hooked), "kernel_layer_name") and id(hooked) not in seen:
+                seen.add(id(hooked))
+                yield hooked
+
+
+@contextlib.contextmanager
+def _quiet_unmapped_hooks():
+    """kernels warns once per module about every hook the mapping lacks (transformers hooks
+    SiLU, MLPs, ...): those keep their stock forward, which is the point of our mapping."""
+    kernels_logger = logging.getLogger("kernels.layer.layer")
+    unmapped = _MessageFilter("No kernel mapping found for layer")
+    kernels_logger.addFilter(unmapped)
+    try:
+        yield
+    finally:
+        kernels_logger.removeFilter(unmapped)
+
+
+class _MessageFilter(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _tag(classes: Dict[str, str], conditions: Optional[dict] = None) -> None:
+    for path, hook in classes.items():
+        module_name, class_name = path.split(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue  # an older or newer library without this class: nothing of it to replace
+        replace_kernel_forward_from_hub(cls, hook, (conditions or {}).get(class_name))
+
+
+def _check_ready(model: torch.nn.Module, device: Optional[str], name: str) -> str:
+    """The device type to kernelize ``model`` for, or a ValueError saying what to fix."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{name} is a {type(model).__name__}, not a torch.nn.Module")
+    offload = sorted({hook for m in model.modules() for hook in _offload_hooks(m)})
+    if offload:
+        raise ValueError(f"{name} ({type(model).__name__}) already has offload hooks ({', '.join(offload)}): "
+                         "kernelize after .to(device) and before enable_model_cpu_offload() / "
+                         "enable_sequential_cpu_offload() / enable_group_offload()")
+    types = sorted({p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()})
+    if "meta" in types:
+        raise ValueError(f"{name} ({type(model).__name__}) has parameters on the meta device: load its weights "
+                         "first")
+    if len(types) > 1:
+        raise ValueError(f"{name} ({type(model).__name__}) has parameters on {' and '.join(types)}: move it to one "
+                         "device first (model.to(device))")
+    if device is not None:
+        device = torch.device(device).type
+        if types and types != [device]:
+            raise ValueError(f"{name} ({type(model).__name__}) is on {types[0]}, not {device}: call .to({device!r}) "
+                             "before kernelizing")
+        return device
+    if not types:
+        raise ValueError(f"{name} ({type(model).__name__}) has no parameters to tell its device: pass device=")
+    if types[0] not in DEVICES:
+        raise ValueError(f"{name} ({type(model).__name__}) is on {types[0]}; ltx-kernels runs on "
+                         f"{' and '.join(DEVICES)}")
+    return types[0]
+
+
+def _offload_hooks(module: torch.nn.Module) -> Iterator[str]:
+    """Names of offload hooks on ``module``: accelerate's (enable_model_cpu_offload,
+    enable_sequential_cpu_offload, device_map with offload) and diffusers' group offload."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        if type(h).__name__ == "CpuOffload" or getattr(h, "offload", False):
+            yield f"accelerate {type(h).__name__}"
+    registry = getattr(module, "_diffusers_hook", None)
+    for hook_name in getattr(registry, "hooks", {}):
+        if "offload" in hook_name:
+            yield f"diffusers {hook_name}"
+
+
+def _diffusers_models(pipeline_or_model) -> Dict[str, torch.nn.Module]:
+    if isinstance(pipeline_or_model, torch.nn.Module):
+        return {"model": pipeline_or_model}
+    components = getattr(pipeline_or_model, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError(f"expected a diffusers pipeline or model, got {type(pipeline_or_model).__name__}")
+    models = {name: components[name] for name in DIFFUSERS_COMPONENTS
+              if isinstance(components.get(name), torch.nn.Module)}
+    if not models:
+        raise ValueError(f"{type(pipeline_or_model).__name__} has none of the components ltx-kernels kernelizes "
+                         f"({', '.join(DIFFUSERS_COMPONENTS)}); pass a model instead")
+    return models
+
+
+def _relink_copied_functions(model: torch.nn.Module) -> None:
+    """``copy.deepcopy(model)`` copies the hooked functions in ``_kernel_funcs`` too, while
+    the model's code still calls its model file's own: point ``_kernel_funcs`` back at the
+    function that runs, so that kernelize replaces it (each hooked function has a class of
+    its own, which the copy keeps)."""
+    for module in model.modules():
+        functions = getattr(module, "_kernel_funcs", None)
+        if not functions:
+            continue
+        module_globals = vars(sys.modules[type(module).__module__]).values()
+        for key, function in functions.items():
+            called = [g for g in module_globals if type(g) is type(function)]
+            if len(called) == 1:
+                functions[key] = called[0]
+
+
+def _keep_only_matching_rotary(model: torch.nn.Module) -> None:
+    """Put back the stock forward of every replaced ``apply_rotary_pos_emb`` whose result
+    differs from the layer's on a probe: model files may share the hook's name and
+    signature with other math (nanochat's rotation has the opposite sign, gpt-oss takes
+    half-width tables)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 3, 8, generator=generator), torch.randn(2, 2, 3, 8, generator=generator)
+    angles = torch.rand(2, 3, 4, generator=generator) * 6.28
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    for function in (m for m in _hooked(model) if type(m).kernel_layer_name == "rotary_pos_emb"):
+        if "forward" not in vars(function) or vars(function)["forward"].__func__ is type(function).forward:
+            continue
+        try:
+            expected = type(function).forward(function, q, k, cos, sin)
+            actual = function(q, k, cos, sin)
+            matches = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(actual, expected))
+        except (RuntimeError, ValueError, TypeError) as error:
+            logging.getLogger(__name__).info("stock apply_rotary_pos_emb rejects the probe: %s", error)
+            matches = False
+        if not matches:
+            function.forward = MethodType(type(function).forward, function)
+
+
+# Conditions for the diffusers classes: configurations the layers fuse. Anything else keeps
+# its stock forward (and is not counted).
+
+
+def _norm_without_affine(norm: torch.nn.Module) -> bool:
+    from diffusers.models.normalization import RMSNorm
+
+    return (isinstance(norm, (torch.nn.LayerNorm, RMSNorm)) and getattr(norm, "weight", None) is None
+            and getattr(norm, "bias", None) is None)
+
+
+def _ltx_block_fusable(block) -> bool:
+    return (_norm_without_affine(block.norm1) and _norm_without_affine(block.norm2)
+            and block.scale_shift_table.shape[0] == 6)
+
+
+def _ltx_attention_fusable(attention) -> bool:
+    from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+
+    return (type(attention.processor) is LTXVideoAttnProcessor and attention.norm_q.weight is not None
+            and attention.norm_k.weight is not None)
+
+
+_DIFFUSERS_CONDITIONS = {
+    "RMSNorm": lambda norm: norm.bias is None,
+    "AdaLayerNormZero": lambda ada: _norm_without_affine(ada.norm),
+    "AdaLayerNormZeroSingle": lambda ada: _norm_without_affine(ada.norm),
+    "AdaLayerNormContinuous": lambda ada: _norm_without_affine(ada.norm),
+    "LTXVideoTransformerBlock": _ltx_block_fusable,
+    "LTXAttention": _ltx_attention_fusable,
+}

@@ -1,0 +1,224 @@
+"""ltx_kernels_integration.kernelize_diffusers on small diffusers models built from their
+real classes (no downloads): LTX-Video's transformer, an SD-style UNet (GEGLU), FLUX's
+transformer; what is replaced (counted), what is left alone, outputs against the stock
+model, the fused ops actually running, and the calls it refuses."""
+
+import copy
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import TARGETS
+from reference import TOLERANCE
+from test_integration_transformers import OpsCalled, needs_device
+
+diffusers = pytest.importorskip("diffusers", reason="requirements-dev.txt installs diffusers")
+import ltx_kernels_integration as lki  # noqa: E402  (on sys.path through test_integration_transformers)
+from diffusers import FluxTransformer2DModel, LTXVideoTransformer3DModel, UNet2DConditionModel  # noqa: E402
+from diffusers.models.activations import GEGLU  # noqa: E402
+from diffusers.models.normalization import AdaLayerNormContinuous  # noqa: E402
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
+from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor  # noqa: E402
+
+DEVICES = sorted({d for _, d in TARGETS})
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randomised(model, device, dtype):
+    """Random weights everywhere (zero-initialised ones too: AdaLN linears, tables)."""
+    torch.manual_seed(0)
+    model = model.to(device=device, dtype=dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5 / max(p.shape[-1], 1) ** 0.5 if p.dim() > 1 else 0.1)
+    return model
+
+
+def assert_matches(actual, expected, dtype, scale):
+    """The kernels round once where the hosts round every step in the model dtype: a few
+    ulps of the output's magnitude (fp32: rounding only)."""
+    atol = (1e-5 if dtype == torch.float32 else 4 * TOLERANCE[dtype]["rtol"]) * scale
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=0, atol=atol)
+
+
+def compare(model, inputs, dtype):
+    """Stock output, kernelized output, the replacement counts and the ops that ran."""
+    stock = copy.deepcopy(model)
+    counts = lki.kernelize_diffusers(model)
+    with torch.no_grad():
+        expected = stock(**inputs, return_dict=False)[0]
+        with OpsCalled() as called:
+            actual = model(**inputs, return_dict=False)[0]
+    assert_matches(actual, expected, dtype, expected.abs().max().item())
+    return counts, called.names
+
+
+# ---------------------------------------------------------------------------------------
+# LTX-Video
+
+
+def small_ltx(device, dtype, **config):
+    model = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=16,
+                                       cross_attention_dim=64, num_layers=2, caption_channels=32, **config)
+    return randomised(model, device, dtype)
+
+
+def ltx_inputs(device, dtype, per_token_timesteps=False):
+    batch, frames, height, width, text = 2, 2, 3, 4, 7
+    tokens = frames * height * width
+    mask = torch.ones(batch, text, device=device)
+    mask[1, 4:] = 0
+    timestep = torch.randint(0, 1000, (batch, tokens) if per_token_timesteps else (batch,), device=device)
+    return dict(hidden_states=torch.randn(batch, tokens, 8, device=device, dtype=dtype),
+                encoder_hidden_states=torch.randn(batch, text, 32, device=device, dtype=dtype),
+                timestep=timestep, encoder_attention_mask=mask, num_frames=frames, height=height, width=width)
+
+
+@pytest.mark.parametrize("per_token_timesteps", [False, True], ids=["timestep", "per-token-timesteps"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_ltx_video_transformer(device, dtype, per_token_timesteps):
+    needs_device(device)
+    model = small_ltx(device, dtype)
+    counts, ops = compare(model, ltx_inputs(device, dtype, per_token_timesteps), dtype)
+    # 2 blocks: the block, attn1 and attn2 (cross-attention takes the stock path), norm1 and norm2
+    assert counts == {"LTXVideoTransformerBlock": 2, "LTXAttention": 4, "DiffusersRMSNorm": 4}
+    assert {"adaln", "gated_residual", "gated_residual_adaln", "qk_norm_rope"} <= ops
+
+
+def test_ltx_unsupported_configurations_are_left_alone():
+    """Affine block norms (the block is not fused; its RMSNorms are) and a custom attention
+    processor (that attention keeps its stock forward)."""
+    model = small_ltx("cpu", torch.float32, norm_elementwise_affine=True)
+
+    class CustomProcessor(LTXVideoAttnProcessor):
+        pass
+
+    custom = model.transformer_blocks[0].attn1
+    custom.set_processor(CustomProcessor())
+    counts, ops = compare(model, ltx_inputs("cpu", torch.float32), torch.float32)
+    assert counts == {"LTXAttention": 3, "DiffusersRMSNorm": 4}
+    assert "forward" not in vars(custom) and "forward" not in vars(model.transformer_blocks[0])
+    assert {"rms_norm", "qk_norm_rope"} <= ops and "adaln" not in ops
+
+
+# ---------------------------------------------------------------------------------------
+# SD-style UNet (GEGLU feed-forwards)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sd_unet_geglu(device, dtype):
+    needs_device(device)
+    model = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
+    model = randomised(model, device, dtype)
+    inputs = dict(sample=torch.randn(2, 4, 8, 8, device=device, dtype=dtype),
+                  timestep=torch.tensor([10, 500], device=device),
+                  encoder_hidden_states=torch.randn(2, 5, 32, device=device, dtype=dtype))
+    counts, ops = compare(model, inputs, dtype)
+    # transformer blocks: 1 down, 1 mid, 2 up (layers_per_block + 1)
+    assert counts == {"GEGLU": 4} == {"GEGLU": sum(isinstance(m, GEGLU) for m in model.modules())}
+    assert ops == {"geglu"}
+
+
+# ---------------------------------------------------------------------------------------
+# FLUX
+
+
+def small_flux(device, dtype):
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                   axes_dims_rope=(4, 6, 6))
+    return randomised(model, device, dtype)
+
+
+def flux_inputs(device, dtype):
+    batch, tokens, text = 2, 12, 5
+    return dict(hidden_states=torch.randn(batch, tokens, 8, device=device, dtype=dtype),
+                encoder_hidden_states=torch.randn(batch, text, 32, device=device, dtype=dtype),
+                pooled_projections=torch.randn(batch, 32, device=device, dtype=dtype),
+                timestep=torch.tensor([0.3, 0.9], device=device, dtype=dtype),
+                img_ids=torch.randint(0, 4, (tokens, 3), device=device).float(),
+                txt_ids=torch.zeros(text, 3, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_flux_transformer(device, dtype):
+    needs_device(device)
+    counts, ops = compare(small_flux(device, dtype), flux_inputs(device, dtype), dtype)
+    # the double block's norm1 and norm1_context, the single block's norm, the final norm_out
+    assert counts == {"AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1, "AdaLayerNormContinuous": 1}
+    assert ops == {"adaln"}
+
+
+# ---------------------------------------------------------------------------------------
+# Single layers and fallbacks
+
+
+@pytest.mark.parametrize("weight", ["bf16", "fp32", "none", "fp16-weight-bf16-input"])
+def test_diffusers_rmsnorm_layer(weight):
+    """Each weight dtype gives the host's output dtype and values; a weight the kernel does
+    not pair with the input goes to the host (no op runs)."""
+    norm = DiffusersRMSNorm(64, eps=1e-6, elementwise_affine=weight != "none")
+    if norm.weight is not None:
+        norm = randomised(norm, "cpu", {"bf16": torch.bfloat16, "fp32": torch.float32}.get(weight, torch.float16))
+    model = torch.nn.Sequential(norm)
+    stock = copy.deepcopy(model)
+    assert lki.kernelize_diffusers(model, device="cpu") == {"DiffusersRMSNorm": 1}  # no weight to tell
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    with OpsCalled() as called:
+        actual = model(x)
+    expected = stock(x)
+    assert actual.dtype == expected.dtype
+    assert_matches(actual, expected, torch.bfloat16, expected.abs().max().item())
+    assert called.names == (set() if weight.startswith("fp16") else {"rms_norm"})
+
+
+def test_unsupported_diffusers_modules_are_left_alone():
+    affine = AdaLayerNormContinuous(32, 32, elementwise_affine=True, eps=1e-6)
+    with_bias = DiffusersRMSNorm(32, eps=1e-6, bias=True)
+    fused = AdaLayerNormContinuous(32, 32, elementwise_affine=False, eps=1e-6)
+    model = torch.nn.ModuleList([affine, with_bias, fused])
+    assert lki.kernelize_diffusers(model) == {"AdaLayerNormContinuous": 1}
+    assert "forward" not in vars(affine) and "forward" not in vars(with_bias) and "forward" in vars(fused)
+
+
+def test_pipeline_components_are_kernelized():
+    transformer, unet_like = small_flux("cpu", torch.float32), torch.nn.Sequential(GEGLU(8, 8))
+    pipeline = SimpleNamespace(components={"transformer": transformer, "unet": unet_like, "scheduler": object()})
+    assert lki.kernelize_diffusers(pipeline) == {"AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1,
+                                                 "AdaLayerNormContinuous": 1, "GEGLU": 1}
+
+
+def test_refuses_pipelines_not_ready():
+    model = small_ltx("cpu", torch.float32)
+    model.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1)
+    with pytest.raises(ValueError, match="before enable_model_cpu_offload"):
+        lki.kernelize_diffusers(model)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"call \.to\('cuda'\)"):
+            lki.kernelize_diffusers(small_ltx("cpu", torch.float32), device="cuda")
+    with pytest.raises(ValueError, match="none of the components"):
+        lki.kernelize_diffusers(SimpleNamespace(components={"vae": torch.nn.Linear(2, 2)}))
+    with pytest.raises(ValueError, match="no module ltx-kernels replaces"):
+        lki.kernelize_diffusers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="diffusers pipeline or model"):
+        lki.kernelize_diffusers("Lightricks/LTX-Video")
+
+
+def test_integration_module_stays_out_of_the_kernel_package():
+    """The kernel package imports only stdlib and torch; the integration module is where
+    kernels, transformers and diffusers come in."""
+    assert "ltx_kernels_integration" in sys.modules
+    kernel_files = (lki.CHECKOUT / "torch-ext" / "ltx_kernels").glob("*.py")
+    for path in kernel_files:
+        text = path.read_text()
+        for library in ("diffusers", "transformers", "kernels"):
+            assert f"import {library}" not in text and f"from {library}" not in text, (path.name, library)

@@ -1,0 +1,42 @@
+"""benchmarks/e2e_models.py --tiny runs every workload in every configuration on the CPU:
+the GPU run exercises no code path CI has not. torch.compile uses dynamo's eager backend
+here (fullgraph: no graph break in the stock or the kernelized models, without inductor's
+compile time)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import REPO
+
+pytest.importorskip("diffusers", reason="requirements-dev.txt installs diffusers")
+pytest.importorskip("transformers", reason="requirements-dev.txt installs transformers")
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("e2e_models", REPO / "benchmarks" / "e2e_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
+    bench = load_benchmark()
+    out = tmp_path / "e2e.json"
+    bench.main(["--tiny", "--device", "cpu", "--compile-backend", "eager", "--warmup", "0", "--repeats", "1",
+                "--profile-top", "40", "--json", str(out)])
+    report = json.loads(out.read_text())
+    results = report["results"]
+    workloads = {r["workload"] for r in results}
+    assert len(workloads) == 3 and len(results) == 3 * len(bench.CONFIGS)
+    for r in results:
+        assert r["error"] is None and r["ms"] > 0, r
+        if r["config"].endswith("+kernels"):
+            assert r["replaced"] and r["max_abs_diff"] < 5e-2, r
+        else:
+            assert r["replaced"] == {} and r["max_abs_diff"] == 0.0, r
+    assert report["compile"] == {"fullgraph": True, "backend": "eager"}
+    assert any("qk_norm_rope" in row["name"] for row in report["profile"])
+    table = capsys.readouterr().out
+    assert "| workload | eager (ms) | eager+kernels (ms) | compile (ms) | compile+kernels (ms) |" in table
