@@ -55,8 +55,8 @@ class RMSNorm(nn.Module):
     weight: torch.Tensor
     variance_epsilon: float
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not _rows(hidden_states):
@@ -78,8 +78,8 @@ class RMSNormZeroCentered(nn.Module):
     weight: torch.Tensor
     eps: float
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _rows(x):
@@ -93,8 +93,8 @@ class RMSNormZeroCentered(nn.Module):
 class GeluTanh(nn.Module):
     """For transformers' ``"GeluTanh"`` hook: ``F.gelu(x, approximate="tanh")``."""
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _rows(input):
@@ -115,8 +115,8 @@ class ApplyRotaryPosEmb(nn.Module):
     cannot be told apart here: the integration module checks each hooked function
     against this layer before it keeps the replacement."""
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         if not _rotate_half_applies(q, k, cos, sin, unsqueeze_dim):
@@ -153,8 +153,8 @@ class DiffusersRMSNorm(nn.Module):
     bias: Optional[torch.Tensor]
     eps: float
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, hidden_states):
         weight = self.weight
@@ -176,8 +176,8 @@ class GEGLU(nn.Module):
 
     proj: nn.Linear
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, hidden_states, *args, **kwargs):
         if args or kwargs.get("scale") is not None:
@@ -200,8 +200,8 @@ class AdaLayerNormZero(nn.Module):
     linear: nn.Linear
     norm: nn.Module
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
         if self.emb is not None:
@@ -220,8 +220,8 @@ class AdaLayerNormZeroSingle(nn.Module):
     linear: nn.Linear
     norm: nn.Module
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, x, emb=None):
         emb = self.linear(self.silu(emb))
@@ -239,8 +239,8 @@ class AdaLayerNormContinuous(nn.Module):
     linear: nn.Linear
     norm: nn.Module
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, x, conditioning_embedding):
         emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
@@ -297,8 +297,8 @@ class LTXVideoTransformerBlock(nn.Module):
     ff: nn.Module
     scale_shift_table: torch.Tensor
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, encoder_attention_mask=None):
         norm1, norm2 = _adaptive_norm_kind(self.norm1), _adaptive_norm_kind(self.norm2)
@@ -355,8 +355,8 @@ class LTXAttention(nn.Module):
     to_out: nn.ModuleList
     processor: object
 
-    has_backward = False
-    can_torch_compile = False
+    has_backward = True
+    can_torch_compile = True
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                 **kwargs):
