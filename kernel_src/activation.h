@@ -58,18 +58,20 @@ inline Gelu parse_gelu(const std::string& approximate, const char* op) {
 }
 
 // out = gelu(gate) [* up], or with grad the backward (see ActivationArgs); every tensor of
-// one shape, dtype and device.
+// one shape, dtype and device. gate_arg is what messages call gate: the op's own name for
+// that argument.
 template <class Backend>
 void run_checked(const char* op, at::Tensor& out, const at::Tensor& gate, const at::Tensor* up,
-                 const std::string& approximate, const at::Tensor* grad = nullptr, at::Tensor* up_grad = nullptr) {
-  check_device(gate, Backend::device, op, "input");
-  check_float_dtype(gate, op, "input");
-  TORCH_CHECK(gate.dim() >= 1, op, ": input must have at least 1 dim");
+                 const std::string& approximate, const char* gate_arg = "input", const at::Tensor* grad = nullptr,
+                 at::Tensor* up_grad = nullptr) {
+  check_device(gate, Backend::device, op, gate_arg);
+  check_float_dtype(gate, op, gate_arg);
+  TORCH_CHECK(gate.dim() >= 1, op, ": ", gate_arg, " must have at least 1 dim");
   ActivationArgs a;
   a.gelu = parse_gelu(approximate, op);
   a.dtype = gate.scalar_type();
   a.device = gate.device();
-  const RowView g = row_view(gate, op, "input");
+  const RowView g = row_view(gate, op, gate_arg);
   TORCH_CHECK(g.cols <= std::numeric_limits<int32_t>::max(), op, ": last dim ", g.cols,
               " is too large (at most 2^31 - 1)");
   a.rows = g.rows;
@@ -79,9 +81,9 @@ void run_checked(const char* op, at::Tensor& out, const at::Tensor& gate, const 
   for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {up, "up"}, {grad, "grad"},
                                {up_grad, "up_grad"}}) {
     if (t == nullptr) continue;
-    check_same_device(*t, gate, op, arg, "input");
+    check_same_device(*t, gate, op, arg, gate_arg);
     TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(),
-                " but input has dtype ", a.dtype);
+                " but ", gate_arg, " has dtype ", a.dtype);
     TORCH_CHECK(t->sizes() == gate.sizes(), op, ": ", arg, " has sizes ", t->sizes(), " but expected ",
                 gate.sizes());
   }
@@ -112,7 +114,7 @@ void gelu_out(at::Tensor& out, const at::Tensor& input, const std::string& appro
 
 template <class Backend>
 void gelu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up, const std::string& approximate) {
-  activation_detail::run_checked<Backend>("gelu_mul", out, gate, &up, approximate);
+  activation_detail::run_checked<Backend>("gelu_mul", out, gate, &up, approximate, "gate");
 }
 
 // out [..., H] = input[..., :H] * gelu(input[..., H:]), input [..., 2H].
@@ -121,6 +123,8 @@ void geglu_out(at::Tensor& out, const at::Tensor& input, const std::string& appr
   constexpr const char* op = "geglu";
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, op,
               ": input's last dim must be even ([..., 2H]: value then gate), got sizes ", input.sizes());
+  // out against the whole input: the two halves are strided views, too hard to compare.
+  check_output_overlap(out, {&input}, op, "out");
   const int64_t h = input.size(-1) / 2;
   const at::Tensor value = input.narrow(-1, 0, h);
   const at::Tensor gate = input.narrow(-1, h, h);
@@ -131,7 +135,7 @@ void geglu_out(at::Tensor& out, const at::Tensor& input, const std::string& appr
 template <class Backend>
 at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& input, const std::string& approximate) {
   at::Tensor grad_input = at::empty(input.sizes(), input.options());
-  activation_detail::run_checked<Backend>("gelu_backward", grad_input, input, nullptr, approximate, &grad);
+  activation_detail::run_checked<Backend>("gelu_backward", grad_input, input, nullptr, approximate, "input", &grad);
   return grad_input;
 }
 
@@ -141,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> gelu_mul_backward(const at::Tensor& grad, con
                                                      const at::Tensor& up, const std::string& approximate) {
   at::Tensor grad_gate = at::empty(gate.sizes(), gate.options());
   at::Tensor grad_up = at::empty(gate.sizes(), gate.options());
-  activation_detail::run_checked<Backend>("gelu_mul_backward", grad_gate, gate, &up, approximate, &grad, &grad_up);
+  activation_detail::run_checked<Backend>("gelu_mul_backward", grad_gate, gate, &up, approximate, "gate", &grad, &grad_up);
   return {grad_gate, grad_up};
 }
 
@@ -156,7 +160,7 @@ at::Tensor geglu_backward(const at::Tensor& grad, const at::Tensor& input, const
   at::Tensor grad_value = grad_input.narrow(-1, 0, h);
   at::Tensor grad_gate = grad_input.narrow(-1, h, h);
   const at::Tensor value = input.narrow(-1, 0, h);
-  activation_detail::run_checked<Backend>(op, grad_gate, input.narrow(-1, h, h), &value, approximate, &grad,
+  activation_detail::run_checked<Backend>(op, grad_gate, input.narrow(-1, h, h), &value, approximate, "input", &grad,
                                           &grad_value);
   return grad_input;
 }

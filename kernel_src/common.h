@@ -114,8 +114,10 @@ inline void check_output_overlap(const at::Tensor& out, std::initializer_list<co
   }
 }
 
-// Two outputs of one op must not share memory. (Interleaved slices of one buffer, such
-// as q and k of a fused qkv, are "too hard" to tell apart cheaply and pass.)
+// Two tensors that must not share memory at all: two outputs of one op, or an output and
+// an input that is still read after the output is written (by other rows or heads).
+// (Interleaved slices of one buffer, such as q and k of a fused qkv, are "too hard" to
+// tell apart cheaply and pass.)
 inline void check_disjoint_outputs(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg_a,
                                    const char* arg_b) {
   const at::MemOverlapStatus status = at::get_overlap_status(a, b);

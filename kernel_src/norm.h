@@ -217,7 +217,7 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
               " but input has dtype ", a.dtype, " (out may be the input's dtype or float32)");
   TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
   a.out_stride = c.like_input(out, "out", out.scalar_type());
-  check_output_overlap(out, {&input}, op, "out");
+  check_output_overlap(out, {&input, weight ? &*weight : nullptr}, op, "out");
   a.out = out.mutable_data_ptr();
   a.eps = static_cast<float>(eps);
   a.weight_offset = static_cast<float>(weight_offset);
@@ -319,7 +319,7 @@ void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at:
   a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
   check_disjoint_outputs(out, residual_out, op, "out", "residual_out");
   check_output_overlap(out, {&residual}, op, "out");
-  check_output_overlap(residual_out, {&input, &residual}, op, "residual_out");
+  check_output_overlap(residual_out, {&input, &residual, weight ? &*weight : nullptr}, op, "residual_out");
   a.residual = residual.const_data_ptr();
   a.residual_out = residual_out.mutable_data_ptr();
   if (a.rows > 0) Backend::run(a);
@@ -363,6 +363,9 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
   if (out.has_value()) {
     at::Tensor out_tensor = *out;  // shares out's storage
     check_disjoint_outputs(out_tensor, residual_out, op, "out", "residual_out");
+    // A row's residual_out is stored before its scale and shift are read: no shared memory.
+    check_disjoint_outputs(residual_out, *scale, op, "residual_out", "scale");
+    check_disjoint_outputs(residual_out, *shift, op, "residual_out", "shift");
     c.adaln(out_tensor, *scale, *shift, eps, norm, {&residual, &gate});
   }
   if (a.rows > 0) Backend::run(a);

@@ -138,6 +138,21 @@ inline Table check_tables(const at::Tensor& cos, const at::Tensor& sin, const at
           cos.stride(-2), cos.size(-1)};
 }
 
+// q_out may be q and k_out may be k (in place), but neither may share memory with the
+// other tensor or with `shared` (tables, weights): threads of other heads and rows still
+// read those after an output element is written.
+inline void check_outputs_apart(const at::Tensor& q_out, const at::Tensor& k_out, const at::Tensor& q,
+                                const at::Tensor& k,
+                                std::initializer_list<std::pair<const at::Tensor*, const char*>> shared,
+                                const char* op) {
+  check_disjoint_outputs(q_out, k, op, "q_out", "k");
+  check_disjoint_outputs(k_out, q, op, "k_out", "q");
+  for (const auto& [t, arg] : shared) {
+    check_disjoint_outputs(q_out, *t, op, "q_out", arg);
+    check_disjoint_outputs(k_out, *t, op, "k_out", arg);
+  }
+}
+
 }  // namespace rope_detail
 
 // q_out, k_out = rope(q), rope(k), or with inverse the transpose of that linear map (the
@@ -169,6 +184,7 @@ void rope_apply(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const
   check_output_overlap(q_out, {&q, &k, &cos, &sin}, op, "q_out");
   check_output_overlap(k_out, {&q, &k, &cos, &sin}, op, "k_out");
   check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out");
+  rope_detail::check_outputs_apart(q_out, k_out, q, k, {{&cos, "cos"}, {&sin, "sin"}}, op);
   rope_detail::fill(a.q, qv, as_bhsd(q_out, sequence_dim, op, "q_out"), q, q_out);
   rope_detail::fill(a.k, kv, as_bhsd(k_out, sequence_dim, op, "k_out"), k, k_out);
 
@@ -227,6 +243,8 @@ void qk_norm_rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q,
   check_output_overlap(q_out, {&q, &k, &cos, &sin}, op, "q_out");
   check_output_overlap(k_out, {&q, &k, &cos, &sin}, op, "k_out");
   check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out");
+  rope_detail::check_outputs_apart(q_out, k_out, q, k,
+                                   {{&cos, "cos"}, {&sin, "sin"}, {&q_weight, "q_weight"}, {&k_weight, "k_weight"}}, op);
   a.q = q.const_data_ptr(), a.k = k.const_data_ptr();
   a.q_out = q_out.mutable_data_ptr(), a.k_out = k_out.mutable_data_ptr();
   a.q_weight = q_weight.const_data_ptr(), a.k_weight = k_weight.const_data_ptr();

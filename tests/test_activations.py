@@ -92,7 +92,7 @@ def _bad_calls(k, device):
         "approximate_name": (lambda: k.gelu(x, "fast"), 'approximate must be "none" or "tanh"'),
         "geglu_odd_dim": (lambda: k.geglu(torch.randn(4, 63, device=device)), "last dim must be even"),
         "up_shape": (lambda: k.gelu_mul(x, x[:, :32]), "up has sizes"),
-        "up_dtype": (lambda: k.gelu_mul(x, x.float()), "up has dtype Float but input has dtype Half"),
+        "up_dtype": (lambda: k.gelu_mul(x, x.float()), "up has dtype Float but gate has dtype Half"),
         "int_input": (lambda: k.gelu(torch.ones(4, 64, dtype=torch.int64, device=device)), "input has dtype Long"),
         "out_shape": (lambda: k.geglu(x, out=torch.empty(4, 64, dtype=torch.float16, device=device)),
                       "out has sizes"),

@@ -62,7 +62,7 @@ class RMSNorm(nn.Module):
         if not _rows(hidden_states):
             return type(self).forward(self, hidden_states)
         weight = self.weight
-        if hidden_states.dtype == torch.float32 and weight.dtype != torch.float32:
+        if hidden_states.dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16):
             weight = weight.float()  # fp32 activations, low-precision weight: the host computes in fp32
         out_dtype = torch.promote_types(weight.dtype, hidden_states.dtype)
         return rms_norm(hidden_states, weight, self.variance_epsilon, cast_before_weight=True,
