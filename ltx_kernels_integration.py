@@ -202,7 +202,7 @@ def _mode_note(mode: Mode) -> str:
     if mode == Mode.INFERENCE:
         return ""
     return (f"; under {mode} kernelize keeps the stock forward of layers without a backward or without "
-            "torch.compile support, which is every layer for now: kernelize for Mode.INFERENCE, then torch.compile")
+            "torch.compile support (every layer here has both)")
 
 
 def _hooked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
