@@ -13,10 +13,10 @@ device), compile (`torch.compile(model.forward, fullgraph=True)`, with a static 
 that decode steps keep one shape), compile+kernels (kernelized, then compiled). Eager runs use
 transformers' default dynamic cache.
 
-Timing (each after --warmup-iterations untimed calls): prefill = `generate(max_new_tokens=1)`
-(one forward over the prompt, as generate runs it); generation = `generate(max_new_tokens=N)`;
-decode tokens/s = batch * (N - 1) / (generation - prefill), the N - 1 tokens after the first.
-All greedy (`do_sample=False`).
+Timing: one `generate(max_new_tokens=N, do_sample=False)` after --warmup-iterations untimed
+ones, with a logits processor reading the clock (synchronized on GPU) at each token: prefill =
+from the call to the first token's logits (the forward over the prompt); decode tokens/s =
+batch * (N - 1) / (last token's logits - first token's), the N - 1 decode steps.
 
 On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code generation
 (the CPU tests use it).
@@ -53,7 +53,7 @@ TINY_SIZE = dict(prompt_tokens=16, new_tokens=8)
 class Run:
     config: str
     prefill_ms: Optional[float] = None
-    generate_s: Optional[float] = None
+    decode_s: Optional[float] = None  # the new tokens after the first
     decode_tokens_per_s: Optional[float] = None
     peak_memory_gib: Optional[float] = None  # GPU only
     speedup_prefill: Optional[float] = None  # vs baseline
@@ -88,9 +88,17 @@ def load_model(args, dtype):
 
 
 def generate(model, prompt, new_tokens: int, cache_len: Optional[int], device: str):
-    """(new token ids, seconds) of one greedy generation of exactly ``new_tokens``; with a
-    static KV cache of ``cache_len`` tokens when given."""
-    from transformers import StaticCache
+    """One greedy generation of exactly ``new_tokens``, with a static KV cache of
+    ``cache_len`` tokens when given: (new token ids, prefill s, decode s). The clock reads at
+    each token's logits: the first after the prompt's forward, the last after the last step."""
+    from transformers import LogitsProcessorList, StaticCache
+
+    token_times = []
+
+    def clock(input_ids, scores):  # a logits processor: runs outside the (compiled) forward
+        synchronize(device)
+        token_times.append(time.perf_counter())
+        return scores
 
     kwargs = {}
     if cache_len:  # a fresh cache of one fixed size each call, so the compiled graphs are reused
@@ -101,9 +109,9 @@ def generate(model, prompt, new_tokens: int, cache_len: Optional[int], device: s
         # disable_compile: compiling is this script's choice (--compile), not generate's automatic one
         output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, disable_compile=True,
+                                logits_processor=LogitsProcessorList([clock]),
                                 pad_token_id=model.config.eos_token_id or 0, **kwargs)
-    synchronize(device)
-    return output[:, prompt.shape[1]:], time.perf_counter() - start
+    return output[:, prompt.shape[1]:], token_times[0] - start, token_times[-1] - token_times[0]
 
 
 def configure(model, config, args) -> Dict[str, int]:
@@ -128,12 +136,10 @@ def benchmark(model, prompt, args, configs) -> List[Run]:
         try:
             run.replaced = configure(model, config, args)
             for _ in range(args.warmup_iterations):
-                generate(model, prompt, 1, static, args.device)
                 generate(model, prompt, args.new_tokens, static, args.device)
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            _, prefill_s = generate(model, prompt, 1, static, args.device)
-            tokens, run.generate_s = generate(model, prompt, args.new_tokens, static, args.device)
+            tokens, prefill_s, decode_s = generate(model, prompt, args.new_tokens, static, args.device)
         except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
             run.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             print(f"{config}: {run.error}", flush=True)
@@ -142,7 +148,8 @@ def benchmark(model, prompt, args, configs) -> List[Run]:
         if args.device == "cuda":
             run.peak_memory_gib = torch.cuda.max_memory_allocated() / 2**30
         run.prefill_ms = prefill_s * 1e3
-        run.decode_tokens_per_s = args.batch_size * (args.new_tokens - 1) / max(run.generate_s - prefill_s, 1e-9)
+        run.decode_s = decode_s
+        run.decode_tokens_per_s = args.batch_size * (args.new_tokens - 1) / decode_s
         if baseline_tokens is None:  # the first configuration that ran is the reference
             baseline_tokens = tokens
         matches = tokens == baseline_tokens

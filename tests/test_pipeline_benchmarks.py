@@ -63,7 +63,8 @@ def test_qwen3_generate_tiny_all(tmp_path):
     assert list(runs) == CONFIGS
     for config, run in runs.items():
         assert run["error"] is None, config
-        assert run["prefill_ms"] > 0 and run["decode_tokens_per_s"] > 0 and run["peak_memory_gib"] is None
+        assert run["prefill_ms"] > 0 and run["decode_s"] > 0 and run["decode_tokens_per_s"] > 0
+        assert run["peak_memory_gib"] is None  # GPU only
         assert bool(run["replaced"]) == config.endswith("kernels"), config
         # greedy argmax over 256 logits of a random model: the same tokens, at least nearly all
         assert run["total_tokens"] == 8 and run["matching_tokens"] >= 6, config
