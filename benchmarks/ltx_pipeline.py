@@ -1,0 +1,304 @@
+"""Whole LTX-Video generation (denoising loop + VAE decode), stock and with ltx-kernels,
+eager and compiled: the command behind the seed's end-to-end numbers.
+
+    python benchmarks/ltx_pipeline.py --all --num-frames 49 --steps 30 --output benchmarks/results/ltx_pipeline_h200.json
+    python benchmarks/ltx_pipeline.py --tiny --all --compile-backend eager      # small models, seconds on CPU
+
+Loading: `LTXPipeline.from_pretrained(--model)` when the weights can be had; otherwise (no
+network, as on our machines) the same pipeline built from configs with random weights: the
+2B transformer (`LTXVideoTransformer3DModel()` defaults), the video VAE
+(`AutoencoderKLLTXVideo()` defaults), LTX-Video's FlowMatch scheduler settings, and random
+prompt embeddings of the T5 shape [B, 128, 4096] in place of the text encoder. The work timed
+is the same as with real weights. With real weights the prompt is encoded once, up front.
+
+Configurations: baseline, kernels (`kernelize_diffusers` after `.to(device)`, before any
+offload hooks), compile (`torch.compile(transformer, fullgraph=True)`), compile+kernels
+(kernelized, then compiled). Each runs --warmup-iterations untimed generations, then one
+timed: denoising per step (a step callback, synchronized on GPU) and in total, then the VAE
+decode of the final latents. Every run starts from the same seed; the final latents of each
+configuration are compared with the baseline's.
+
+On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code generation
+(the CPU tests use it: the same fullgraph capture, in seconds).
+"""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
+
+from ltx_kernels_integration import kernelize_diffusers, unkernelize  # noqa: E402
+
+DEFAULT_MODEL = "Lightricks/LTX-Video"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CONFIGS = ("baseline", "kernels", "compile", "compile+kernels")
+PROMPT = "A red fox trots through fresh snow in a birch forest at dawn, soft light, slow camera pan."
+T5_TOKENS, T5_WIDTH = 128, 4096
+# LTX-Video's scheduler_config (resolution-dependent shift, as the pipeline computes `mu`).
+LTX_SCHEDULER = dict(base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05,
+                     shift_terminal=0.1, use_dynamic_shifting=True)
+# --tiny: the same pipeline code on models that run in seconds on a CPU.
+TINY_TRANSFORMER = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
+                        cross_attention_dim=32, num_layers=2, caption_channels=32)
+TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+                decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                decoder_layers_per_block=(1, 1, 1, 1, 1))
+TINY_TEXT = (16, 32)  # tokens, width of the random prompt embeddings
+TINY_SIZE = dict(num_frames=9, height=64, width=64, steps=3)
+
+
+@dataclass
+class Run:
+    config: str
+    denoise_s: Optional[float] = None
+    step_ms: List[float] = field(default_factory=list)
+    it_per_s: Optional[float] = None
+    decode_s: Optional[float] = None
+    total_s: Optional[float] = None
+    speedup_denoise: Optional[float] = None  # vs baseline
+    speedup_total: Optional[float] = None
+    latents_max_abs_diff: Optional[float] = None  # final latents vs baseline's
+    latents_mean_abs_diff: Optional[float] = None
+    replaced: Dict[str, int] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def load_pipeline(args, dtype):
+    """The pipeline and whether its weights are random (built from configs)."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, \
+        LTXVideoTransformer3DModel
+
+    if not args.tiny:
+        try:
+            return LTXPipeline.from_pretrained(args.model, torch_dtype=dtype), False
+        except Exception as error:  # noqa: BLE001  (any failure to fetch or read the weights: build from configs)
+            print(f"{args.model} is not available ({type(error).__name__}); using random weights from configs",
+                  flush=True)
+    torch.manual_seed(0)
+    with torch.device(args.device):  # random init on the device: seconds, where the CPU takes minutes
+        transformer = LTXVideoTransformer3DModel(**(TINY_TRANSFORMER if args.tiny else {}))
+        vae = AutoencoderKLLTXVideo(**(TINY_VAE if args.tiny else {}))
+    scheduler = FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER)
+    pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe.to(dtype=dtype), True
+
+
+def prompt_embeddings(pipe, args, dtype, random_weights) -> dict:
+    """`prompt_embeds` / `negative_prompt_embeds` and their masks for a batch of
+    --batch-size videos: encoded once with a real text encoder, else random of T5's shape."""
+    batch = args.batch_size
+    if not random_weights:
+        embeds, mask, negative, negative_mask = pipe.encode_prompt(
+            [PROMPT] * batch, negative_prompt=[""] * batch, device=args.device, dtype=dtype)
+        pipe.text_encoder.to("cpu")  # not needed again: free its memory for the transformer
+        return dict(prompt_embeds=embeds, prompt_attention_mask=mask, negative_prompt_embeds=negative,
+                    negative_prompt_attention_mask=negative_mask)
+    tokens, width = TINY_TEXT if args.tiny else (T5_TOKENS, T5_WIDTH)
+    generator = torch.Generator(args.device).manual_seed(1)
+
+    def random_embeds():
+        return torch.randn(batch, tokens, width, generator=generator, device=args.device, dtype=dtype)
+
+    mask = torch.ones(batch, tokens, device=args.device, dtype=torch.long)
+    return dict(prompt_embeds=random_embeds(), prompt_attention_mask=mask, negative_prompt_embeds=random_embeds(),
+                negative_prompt_attention_mask=mask.clone())
+
+
+def decode(pipe, latents, args):
+    """The pipeline's own decode of its packed output latents (what it does after the loop)."""
+    latent_frames = (args.num_frames - 1) // pipe.vae_temporal_compression_ratio + 1
+    latent_height = args.height // pipe.vae_spatial_compression_ratio
+    latent_width = args.width // pipe.vae_spatial_compression_ratio
+    latents = pipe._unpack_latents(latents, latent_frames, latent_height, latent_width,
+                                   pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+    latents = pipe._denormalize_latents(latents, pipe.vae.latents_mean, pipe.vae.latents_std,
+                                        pipe.vae.config.scaling_factor)
+    timestep = None
+    if pipe.vae.config.timestep_conditioning:  # decode_timestep 0, as the pipeline's default
+        timestep = torch.zeros(latents.shape[0], device=latents.device, dtype=latents.dtype)
+    return pipe.vae.decode(latents.to(pipe.vae.dtype), timestep, return_dict=False)[0]
+
+
+def generate(pipe, args, embeddings):
+    """One generation: (final latents, per-step ms, denoise s, decode s)."""
+    step_ends = []
+
+    def on_step_end(pipeline, step, timestep, tensors):
+        synchronize(args.device)
+        step_ends.append(time.perf_counter())
+        return {}
+
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    synchronize(args.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        latents = pipe(num_frames=args.num_frames, height=args.height, width=args.width,
+                       num_inference_steps=args.steps, generator=generator, output_type="latent",
+                       return_dict=False, callback_on_step_end=on_step_end, **embeddings)[0]
+        synchronize(args.device)
+        denoised = time.perf_counter()
+        decode(pipe, latents, args)
+        synchronize(args.device)
+    decoded = time.perf_counter()
+    steps = [start, *step_ends]
+    step_ms = [(b - a) * 1e3 for a, b in zip(steps, steps[1:])]
+    return latents.float(), step_ms, denoised - start, decoded - denoised
+
+
+def configure(pipe, transformer, config, args) -> Dict[str, int]:
+    """Put the pipeline in ``config``: stock or kernelized transformer, eager or compiled,
+    offload hooks last. Returns the modules the kernels replaced."""
+    pipe.remove_all_hooks()  # offload hooks of the previous configuration; kernelize refuses them
+    pipe.transformer = transformer
+    pipe.to(args.device)
+    unkernelize(transformer)
+    torch._dynamo.reset()  # each configuration compiles its own graphs
+    replaced = kernelize_diffusers(pipe) if config.endswith("kernels") else {}
+    if config.startswith("compile"):
+        pipe.transformer = torch.compile(transformer, fullgraph=True, backend=args.compile_backend)
+    if args.cpu_offload:
+        pipe.enable_model_cpu_offload(device=args.device)
+    return replaced
+
+
+def benchmark(pipe, args, embeddings, configs) -> List[Run]:
+    transformer = pipe.transformer
+    runs, baseline_latents = [], None
+    for config in configs:
+        run = Run(config)
+        print(f"\n== {config}", flush=True)
+        try:
+            run.replaced = configure(pipe, transformer, config, args)
+            for _ in range(args.warmup_iterations):
+                generate(pipe, args, embeddings)
+            latents, run.step_ms, run.denoise_s, run.decode_s = generate(pipe, args, embeddings)
+        except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
+            run.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+            print(f"{config}: {run.error}", flush=True)
+            runs.append(run)
+            continue
+        run.it_per_s = args.steps / run.denoise_s
+        run.total_s = run.denoise_s + run.decode_s
+        if baseline_latents is None:  # the first configuration that ran is the reference
+            baseline_latents = latents
+        difference = (latents - baseline_latents).abs()
+        run.latents_max_abs_diff, run.latents_mean_abs_diff = difference.max().item(), difference.mean().item()
+        runs.append(run)
+    pipe.remove_all_hooks()
+    pipe.transformer = transformer
+    unkernelize(transformer)
+    reference = next((r for r in runs if r.denoise_s), None)
+    for run in runs:
+        if run.denoise_s and reference:
+            run.speedup_denoise = reference.denoise_s / run.denoise_s
+            run.speedup_total = reference.total_s / run.total_s
+    return runs
+
+
+def table(runs: List[Run]) -> str:
+    lines = ["| configuration | denoise (s) | it/s | median step (ms) | VAE decode (s) | total (s) | speedup "
+             "(denoise) | speedup (total) | latents max / mean abs diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r.error:
+            lines.append(f"| {r.config} | failed: {r.error[:80]} |" + " - |" * 7)
+            continue
+        median_step = sorted(r.step_ms)[len(r.step_ms) // 2]
+        lines.append(f"| {r.config} | {r.denoise_s:.3f} | {r.it_per_s:.2f} | {median_step:.1f} | {r.decode_s:.3f} | "
+                     f"{r.total_s:.3f} | {r.speedup_denoise:.2f}x | {r.speedup_total:.2f}x | "
+                     f"{r.latents_max_abs_diff:.2e} / {r.latents_mean_abs_diff:.2e} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    kernels = parser.add_mutually_exclusive_group()
+    kernels.add_argument("--use-optimized-kernels", dest="kernels", action="store_true", default=True,
+                         help="run the transformer on ltx-kernels' layers (default)")
+    kernels.add_argument("--no-optimized-kernels", dest="kernels", action="store_false",
+                         help="stock diffusers transformer (baseline)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the transformer (fullgraph)")
+    parser.add_argument("--all", action="store_true", help="baseline, kernels, compile and compile+kernels")
+    parser.add_argument("--batch-size", type=int, default=1, help="videos per prompt")
+    parser.add_argument("--num-frames", type=int, default=161)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--steps", type=int, default=50, help="denoising steps")
+    parser.add_argument("--warmup-iterations", type=int, default=2, help="untimed generations before the timed one")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="local path or Hub id of a diffusers LTX-Video repo")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (needs accelerate)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend (\"eager\": dynamo's capture only, for CPU checks)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"tiny transformer and VAE, {TINY_SIZE['num_frames']} frames at "
+                             f"{TINY_SIZE['height']}x{TINY_SIZE['width']}, {TINY_SIZE['steps']} steps (CI on CPU)")
+    parser.add_argument("--output", type=Path, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        for name, value in TINY_SIZE.items():
+            setattr(args, name, value)
+    if args.cpu_offload:
+        from diffusers.utils import is_accelerate_available
+
+        if not is_accelerate_available():
+            parser.error("--cpu-offload uses enable_model_cpu_offload, which needs accelerate: pip install accelerate")
+        if args.device == "cpu":
+            parser.error("--cpu-offload offloads to the CPU from a GPU; it needs --device cuda")
+    return args
+
+
+def single_config(args) -> str:
+    if args.kernels:
+        return "compile+kernels" if args.compile else "kernels"
+    return "compile" if args.compile else "baseline"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    configs = list(CONFIGS) if args.all else [single_config(args)]
+
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # keep the output to the progress bars and the results
+    pipe, random_weights = load_pipeline(args, dtype)
+    pipe.to(args.device)
+    embeddings = prompt_embeddings(pipe, args, dtype, random_weights)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{device_name}, {args.dtype}, {args.width}x{args.height}, {args.num_frames} frames, {args.steps} steps, "
+          f"batch {args.batch_size}, {'random' if random_weights else 'pretrained'} weights, "
+          f"{args.warmup_iterations} warmup generation(s)", flush=True)
+    runs = benchmark(pipe, args, embeddings, configs)
+    print("\n" + table(runs))
+    result = dict(model=args.model, random_weights=random_weights, tiny=args.tiny, device=device_name,
+                  dtype=args.dtype, width=args.width, height=args.height, num_frames=args.num_frames,
+                  steps=args.steps, batch_size=args.batch_size, warmup_iterations=args.warmup_iterations,
+                  cpu_offload=args.cpu_offload, compile_backend=args.compile_backend, torch=torch.__version__,
+                  runs=[asdict(r) for r in runs])
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=2))
+        print(f"\njson: {args.output}")
+    if any(r.error for r in runs):
+        raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The pipeline benchmarks end to end on CPU: benchmarks/ltx_pipeline.py and
+benchmarks/qwen3_generate.py with --tiny --all (their four configurations), checking the JSON
+they write and that the kernelized runs match the baseline.
+
+Compile configurations use `--compile-backend eager`: dynamo captures the whole graph
+(fullgraph=True, so a graph break still fails) without inductor's C++ code generation, which
+would take minutes on this machine's CPU. No warmup: only correctness is checked here.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = ["baseline", "kernels", "compile", "compile+kernels"]
+TINY_ARGS = ["--tiny", "--all", "--compile-backend", "eager", "--warmup-iterations", "0", "--device", "cpu"]
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_cpu_variant():
+    if not list((REPO / "build").glob("*cpu*")):
+        pytest.skip("no CPU variant in build/: run `./dev build` first")
+
+
+def test_ltx_pipeline_tiny_all(tmp_path):
+    output = tmp_path / "ltx.json"
+    load_script("ltx_pipeline").main([*TINY_ARGS, "--output", str(output)])
+    result = json.loads(output.read_text())
+    assert result["random_weights"] and result["device"] == "cpu" and result["dtype"] == "bf16"
+    assert (result["num_frames"], result["height"], result["width"], result["steps"]) == (9, 64, 64, 3)
+    runs = {run["config"]: run for run in result["runs"]}
+    assert list(runs) == CONFIGS
+    for config, run in runs.items():
+        assert run["error"] is None, config
+        assert len(run["step_ms"]) == result["steps"]
+        assert run["denoise_s"] > 0 and run["decode_s"] > 0 and run["it_per_s"] > 0
+        assert run["speedup_denoise"] > 0 and run["speedup_total"] > 0
+        assert bool(run["replaced"]) == config.endswith("kernels"), config
+        # bf16 through 3 steps of a random model: the fused layers round differently, no more
+        assert run["latents_max_abs_diff"] < 0.1 and run["latents_mean_abs_diff"] < 0.01, config
+    assert runs["baseline"]["latents_max_abs_diff"] == 0
+    assert runs["kernels"]["replaced"].get("LTXVideoTransformerBlock") == 2
+
+
+def test_qwen3_generate_tiny_all(tmp_path):
+    output = tmp_path / "qwen3.json"
+    load_script("qwen3_generate").main([*TINY_ARGS, "--output", str(output)])
+    result = json.loads(output.read_text())
+    assert result["random_weights"] and (result["prompt_tokens"], result["new_tokens"]) == (16, 8)
+    runs = {run["config"]: run for run in result["runs"]}
+    assert list(runs) == CONFIGS
+    for config, run in runs.items():
+        assert run["error"] is None, config
+        assert run["prefill_ms"] > 0 and run["decode_s"] > 0 and run["decode_tokens_per_s"] > 0
+        assert run["peak_memory_gib"] is None  # GPU only
+        assert bool(run["replaced"]) == config.endswith("kernels"), config
+        # greedy argmax over 256 logits of a random model: the same tokens, at least nearly all
+        assert run["total_tokens"] == 8 and run["matching_tokens"] >= 6, config
+    assert runs["kernels"]["replaced"]["RMSNorm"] == 2 * 4 + 1  # per layer: 2 + q/k norms; final norm
