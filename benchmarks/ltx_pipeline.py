@@ -23,10 +23,9 @@ On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code 
 """
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -34,12 +33,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
+sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
 
+from generation_cli import DTYPES, add_common_arguments, device_name, finish, selected_configs, synchronize  # noqa: E402
 from ltx_kernels_integration import kernelize_diffusers, unkernelize  # noqa: E402
 
 DEFAULT_MODEL = "Lightricks/LTX-Video"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CONFIGS = ("baseline", "kernels", "compile", "compile+kernels")
 PROMPT = "A red fox trots through fresh snow in a birch forest at dawn, soft light, slow camera pan."
 T5_TOKENS, T5_WIDTH = 128, 4096
 # LTX-Video's scheduler_config (resolution-dependent shift, as the pipeline computes `mu`).
@@ -69,11 +68,6 @@ class Run:
     latents_mean_abs_diff: Optional[float] = None
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def load_pipeline(args, dtype):
@@ -225,13 +219,7 @@ def table(runs: List[Run]) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    kernels = parser.add_mutually_exclusive_group()
-    kernels.add_argument("--use-optimized-kernels", dest="kernels", action="store_true", default=True,
-                         help="run the transformer on ltx-kernels' layers (default)")
-    kernels.add_argument("--no-optimized-kernels", dest="kernels", action="store_false",
-                         help="stock diffusers transformer (baseline)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the transformer (fullgraph)")
-    parser.add_argument("--all", action="store_true", help="baseline, kernels, compile and compile+kernels")
+    add_common_arguments(parser, stock="stock diffusers transformer", compiled="the transformer (fullgraph)")
     parser.add_argument("--batch-size", type=int, default=1, help="videos per prompt")
     parser.add_argument("--num-frames", type=int, default=161)
     parser.add_argument("--height", type=int, default=512)
@@ -239,16 +227,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=50, help="denoising steps")
     parser.add_argument("--warmup-iterations", type=int, default=2, help="untimed generations before the timed one")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="local path or Hub id of a diffusers LTX-Video repo")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (needs accelerate)")
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend (\"eager\": dynamo's capture only, for CPU checks)")
     parser.add_argument("--tiny", action="store_true",
                         help=f"tiny transformer and VAE, {TINY_SIZE['num_frames']} frames at "
                              f"{TINY_SIZE['height']}x{TINY_SIZE['width']}, {TINY_SIZE['steps']} steps (CI on CPU)")
-    parser.add_argument("--output", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
     if args.tiny:
         for name, value in TINY_SIZE.items():
@@ -263,16 +245,10 @@ def parse_args(argv=None):
     return args
 
 
-def single_config(args) -> str:
-    if args.kernels:
-        return "compile+kernels" if args.compile else "kernels"
-    return "compile" if args.compile else "baseline"
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
-    configs = list(CONFIGS) if args.all else [single_config(args)]
+    configs = selected_configs(args)
 
     from diffusers.utils import logging as diffusers_logging
 
@@ -280,24 +256,16 @@ def main(argv=None) -> dict:
     pipe, random_weights = load_pipeline(args, dtype)
     pipe.to(args.device)
     embeddings = prompt_embeddings(pipe, args, dtype, random_weights)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{device_name}, {args.dtype}, {args.width}x{args.height}, {args.num_frames} frames, {args.steps} steps, "
+    device = device_name(args.device)
+    print(f"{device}, {args.dtype}, {args.width}x{args.height}, {args.num_frames} frames, {args.steps} steps, "
           f"batch {args.batch_size}, {'random' if random_weights else 'pretrained'} weights, "
           f"{args.warmup_iterations} warmup generation(s)", flush=True)
     runs = benchmark(pipe, args, embeddings, configs)
     print("\n" + table(runs))
-    result = dict(model=args.model, random_weights=random_weights, tiny=args.tiny, device=device_name,
-                  dtype=args.dtype, width=args.width, height=args.height, num_frames=args.num_frames,
-                  steps=args.steps, batch_size=args.batch_size, warmup_iterations=args.warmup_iterations,
-                  cpu_offload=args.cpu_offload, compile_backend=args.compile_backend, torch=torch.__version__,
-                  runs=[asdict(r) for r in runs])
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=2))
-        print(f"\njson: {args.output}")
-    if any(r.error for r in runs):
-        raise SystemExit(1)
-    return result
+    return finish(args, dict(model=args.model, random_weights=random_weights, tiny=args.tiny, device=device,
+                             dtype=args.dtype, width=args.width, height=args.height, num_frames=args.num_frames,
+                             steps=args.steps, batch_size=args.batch_size, warmup_iterations=args.warmup_iterations,
+                             cpu_offload=args.cpu_offload, compile_backend=args.compile_backend), runs)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,9 @@ On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code 
 """
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -34,12 +33,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
+sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
 
+from generation_cli import DTYPES, add_common_arguments, device_name, finish, selected_configs, synchronize  # noqa: E402
 from ltx_kernels_integration import kernelize_transformers, unkernelize  # noqa: E402
 
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CONFIGS = ("baseline", "kernels", "compile", "compile+kernels")
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
@@ -63,11 +62,6 @@ class Run:
     first_mismatch: Optional[int] = None  # position of the first differing new token (any row)
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def load_model(args, dtype):
@@ -184,26 +178,15 @@ def table(runs: List[Run]) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    kernels = parser.add_mutually_exclusive_group()
-    kernels.add_argument("--use-optimized-kernels", dest="kernels", action="store_true", default=True,
-                         help="run on ltx-kernels' layers (default)")
-    kernels.add_argument("--no-optimized-kernels", dest="kernels", action="store_false", help="stock model (baseline)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the forward (fullgraph, static cache)")
-    parser.add_argument("--all", action="store_true", help="baseline, kernels, compile and compile+kernels")
+    add_common_arguments(parser, stock="stock model", compiled="the forward (fullgraph, static cache)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="local path or Hub id")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--warmup-iterations", type=int, default=2, help="untimed runs before the timed ones")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend (\"eager\": dynamo's capture only, for CPU checks)")
     parser.add_argument("--tiny", action="store_true",
                         help=f"tiny Qwen3, {TINY_SIZE['prompt_tokens']}-token prompt, {TINY_SIZE['new_tokens']} new "
                              "tokens (CI on CPU)")
-    parser.add_argument("--output", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
     if args.tiny:
         for name, value in TINY_SIZE.items():
@@ -213,35 +196,22 @@ def parse_args(argv=None):
     return args
 
 
-def single_config(args) -> str:
-    if args.kernels:
-        return "compile+kernels" if args.compile else "kernels"
-    return "compile" if args.compile else "baseline"
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    configs = list(CONFIGS) if args.all else [single_config(args)]
+    configs = selected_configs(args)
     model, random_weights = load_model(args, DTYPES[args.dtype])
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch_size, args.prompt_tokens),
                            generator=generator).to(args.device)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{device_name}, {args.dtype}, batch {args.batch_size}, {args.prompt_tokens}-token prompt, "
+    device = device_name(args.device)
+    print(f"{device}, {args.dtype}, batch {args.batch_size}, {args.prompt_tokens}-token prompt, "
           f"{args.new_tokens} new tokens, {'random' if random_weights else 'pretrained'} weights", flush=True)
     runs = benchmark(model, prompt, args, configs)
     print("\n" + table(runs))
-    result = dict(model=args.model, random_weights=random_weights, tiny=args.tiny, device=device_name,
-                  dtype=args.dtype, batch_size=args.batch_size, prompt_tokens=args.prompt_tokens,
-                  new_tokens=args.new_tokens, warmup_iterations=args.warmup_iterations,
-                  compile_backend=args.compile_backend, torch=torch.__version__, runs=[asdict(r) for r in runs])
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=2))
-        print(f"\njson: {args.output}")
-    if any(r.error for r in runs):
-        raise SystemExit(1)
-    return result
+    return finish(args, dict(model=args.model, random_weights=random_weights, tiny=args.tiny, device=device,
+                             dtype=args.dtype, batch_size=args.batch_size, prompt_tokens=args.prompt_tokens,
+                             new_tokens=args.new_tokens, warmup_iterations=args.warmup_iterations,
+                             compile_backend=args.compile_backend), runs)
 
 
 if __name__ == "__main__":
