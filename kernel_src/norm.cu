@@ -510,9 +510,11 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     if (row_blocks == 1) {
       factor_partial = a.factor_sums, shift_partial = a.shift_sums;
     } else {
-      partial = at::empty({2 * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
-      if (a.factor_sums != nullptr) factor_partial = partial.mutable_data_ptr<float>();
-      if (a.shift_sums != nullptr) shift_partial = partial.mutable_data_ptr<float>() + per;
+      const int buffers = (a.factor_sums != nullptr) + (a.shift_sums != nullptr);
+      partial = at::empty({buffers * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
+      float* next = partial.mutable_data_ptr<float>();
+      if (a.factor_sums != nullptr) factor_partial = next, next += per;
+      if (a.shift_sums != nullptr) shift_partial = next;
     }
   }
   const NormBwdParams<T, W, G> p{static_cast<T*>(a.grad_input), static_cast<const G*>(a.grad_out),
@@ -552,9 +554,9 @@ void run_norm_backward_cuda(const NormBackwardArgs& a) {
       return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true>(a, stream)
                                         : launch_backward<T, T, T, NormKind::kRms, true>(a, stream);
     }
-    if (a.weight_fp32 && a.grad_fp32) return launch_backward<T, float, float, NormKind::kRms, false>(a, stream);
-    if (a.weight_fp32) return launch_backward<T, float, T, NormKind::kRms, false>(a, stream);
-    return launch_backward<T, T, T, NormKind::kRms, false>(a, stream);
+    with_weight_types<T>(a.weight_fp32, a.grad_fp32, [&](auto w, auto g) {
+      launch_backward<T, typename decltype(w)::type, typename decltype(g)::type, NormKind::kRms, false>(a, stream);
+    });
   });
 }
 
@@ -576,9 +578,9 @@ void run_norm_cuda(const NormArgs& a) {
     // RMSNorm with a weight of the input dtype or fp32, after a residual add or not.
     auto rms = [&](auto with_residual) {
       constexpr bool R = decltype(with_residual)::value;
-      if (a.weight_fp32 && a.out_fp32) return launch<T, float, float, NormKind::kRms, R, false>(a, stream);
-      if (a.weight_fp32) return launch<T, float, T, NormKind::kRms, R, false>(a, stream);
-      return launch<T, T, T, NormKind::kRms, R, false>(a, stream);
+      with_weight_types<T>(a.weight_fp32, a.out_fp32, [&](auto w, auto o) {
+        launch<T, typename decltype(w)::type, typename decltype(o)::type, NormKind::kRms, R, false>(a, stream);
+      });
     };
     return residual ? rms(std::true_type{}) : rms(std::false_type{});
   });

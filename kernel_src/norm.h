@@ -88,6 +88,21 @@ struct NormBackwardArgs {
   bool cast_before_weight = false;
 };
 
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// The one ladder over a norm's weight and output types for an input of type T: each is T,
+// or float where the weight (and then the output, or for the backward the output's grad)
+// is fp32. Calls fn(Type<W>{}, Type<O>{}).
+template <typename T, typename Fn>
+void with_weight_types(bool weight_fp32, bool out_fp32, Fn&& fn) {
+  if (weight_fp32 && out_fp32) return fn(Type<float>{}, Type<float>{});
+  if (weight_fp32) return fn(Type<float>{}, Type<T>{});
+  return fn(Type<T>{}, Type<T>{});
+}
+
 void run_norm_cpu(const NormArgs& args);
 void run_norm_backward_cpu(const NormBackwardArgs& args);
 #if defined(CUDA_KERNEL)

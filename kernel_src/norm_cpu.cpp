@@ -191,18 +191,18 @@ void run_backward(const NormBackwardArgs& a) {
 void run_norm_backward_cpu(const NormBackwardArgs& a) {
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
     using T = scalar_t;
-    if (a.weight_fp32 && a.grad_fp32) return run_backward<T, float, float>(a);
-    if (a.weight_fp32) return run_backward<T, float, T>(a);
-    return run_backward<T, T, T>(a);
+    with_weight_types<T>(a.weight_fp32, a.grad_fp32, [&](auto w, auto g) {
+      run_backward<T, typename decltype(w)::type, typename decltype(g)::type>(a);
+    });
   });
 }
 
 void run_norm_cpu(const NormArgs& a) {
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm", [&] {
     using T = scalar_t;
-    if (a.weight_fp32 && a.out_fp32) return run<T, float, float>(a);
-    if (a.weight_fp32) return run<T, float, T>(a);
-    return run<T, T, T>(a);
+    with_weight_types<T>(a.weight_fp32, a.out_fp32, [&](auto w, auto o) {
+      run<T, typename decltype(w)::type, typename decltype(o)::type>(a);
+    });
   });
 }
 
