@@ -50,6 +50,22 @@ def gated_residual_ref(residual, x, gate):
     return (residual.double() + x.double() * gate.double()).to(x.dtype)
 
 
+def rope_ref(x, cos, sin, interleaved):
+    """x [B, H, S, D]; cos/sin [S, R] or [B, S, R]; channels past R pass through."""
+    r = cos.shape[-1]
+    c, s = cos.double(), sin.double()
+    if c.dim() == 3:
+        c, s = c[:, None], s[:, None]
+    x64 = x.double()
+    rot = x64[..., :r]
+    if interleaved:
+        real, imag = rot.unflatten(-1, (-1, 2)).unbind(-1)
+        turned = torch.stack([-imag, real], -1).flatten(-2)
+    else:
+        turned = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], -1)
+    return torch.cat([rot * c + turned * s, x64[..., r:]], -1)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, roundings: int = 1,
                  atol: float = 1e-5) -> None:
     """Within `roundings` units in the last place of `dtype` of an fp64 reference."""

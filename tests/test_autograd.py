@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reference import adaln_ref, rms_norm_ref
+from reference import adaln_ref, rms_norm_ref, rope_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Worst error of a grad vs the fp64 reference, relative to the reference's largest
@@ -116,23 +116,6 @@ def test_gated_residual_grads(kernel, device, gate_shape):
                         torch.float32)
 
 
-def _rotate_half_ref(cos, sin):
-    def rotate(x):
-        r = cos.shape[-1]
-        x1, x2, rest = x[..., : r // 2], x[..., r // 2 : r], x[..., r:]
-        return torch.cat([x[..., :r] * cos.double() + torch.cat([-x2, x1], -1) * sin.double(), rest], -1)
-    return rotate
-
-
-def _interleaved_ref(cos, sin):
-    def rotate(x):
-        even, odd = x[..., 0::2], x[..., 1::2]
-        c, s = cos.double(), sin.double()
-        return torch.stack([even * c[..., 0::2] - odd * s[..., 0::2], odd * c[..., 1::2] + even * s[..., 1::2]],
-                           -1).flatten(-2)
-    return rotate
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial-rotary"])
 def test_rope_rotate_half_grads(kernel, device, dtype, partial):
@@ -142,7 +125,7 @@ def test_rope_rotate_half_grads(kernel, device, dtype, partial):
     q, k = qs.transpose(1, 2).requires_grad_(), ks.transpose(1, 2).requires_grad_()
     r = 16 if partial else 32
     cos, sin = torch.randn(6, r, device=device), torch.randn(6, r, device=device)
-    rot = _rotate_half_ref(cos, sin)
+    rot = lambda x: rope_ref(x, cos, sin, interleaved=False)  # noqa: E731
     _assert_grads_match(kernel.rope_rotate_half(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
 
 
@@ -150,7 +133,7 @@ def test_rope_rotate_half_grads(kernel, device, dtype, partial):
 def test_rope_interleaved_grads(kernel, device, dtype):
     q, k = _leaves(device, dtype, (2, 12, 64), (2, 12, 64))
     cos, sin = torch.randn(2, 12, 64, device=device), torch.randn(2, 12, 64, device=device)
-    rot = _interleaved_ref(cos, sin)
+    rot = lambda x: rope_ref(x[:, None], cos, sin, interleaved=True)[:, 0]  # [B, S, C] as one head  # noqa: E731
     _assert_grads_match(kernel.rope_interleaved(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
 
 
@@ -166,7 +149,7 @@ def test_rope_refuses_table_grads(kernel, device):
 def test_qk_norm_rope_grads(kernel, device, dtype):
     q, k, wq, wk = _leaves(device, dtype, (2, 10, 128), (2, 10, 128), (128,), (128,))
     cos, sin = torch.randn(10, 128, device=device), torch.randn(10, 128, device=device)
-    rot = _interleaved_ref(cos, sin)
+    rot = lambda x: rope_ref(x[:, None], cos, sin, interleaved=True)[:, 0]  # noqa: E731
 
     def reference(q, k, wq, wk):
         return rot(rms_norm_ref(q, wq, 1e-5)), rot(rms_norm_ref(k, wk, 1e-5))

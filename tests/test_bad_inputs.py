@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_GPU
-from reference import TOLERANCE, rms_norm_ref
+from reference import TOLERANCE, rms_norm_ref, rope_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -113,22 +113,6 @@ def adaln_ref(x, scale, shift, kind):
 
 def gated_ref(residual, x, gate):
     return (residual.double() + x.double() * per_row(gate, x)).to(x.dtype)
-
-
-def rope_ref(x, cos, sin, interleaved):
-    """x [B, H, S, D]; cos/sin [S, R] or [B, S, R]; channels past R pass through."""
-    r = cos.shape[-1]
-    c, s = cos.double(), sin.double()
-    if c.dim() == 3:
-        c, s = c[:, None], s[:, None]
-    x64 = x.double()
-    rot = x64[..., :r]
-    if interleaved:
-        real, imag = rot.unflatten(-1, (-1, 2)).unbind(-1)
-        turned = torch.stack([-imag, real], -1).flatten(-2)
-    else:
-        turned = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], -1)
-    return torch.cat([rot * c + turned * s, x64[..., r:]], -1)
 
 
 def qk_ref(t):
