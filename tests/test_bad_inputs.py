@@ -116,10 +116,11 @@ def gated_ref(residual, x, gate):
 
 
 def qk_ref(t):
-    c = t["q"].shape[-1]
     out = []
     for x, w in ((t["q"], t["q_weight"]), (t["k"], t["k_weight"])):
-        normed = F.rms_norm(x.double(), (c,), w.double(), 1e-5).to(x.dtype)
+        # The explicit fp64 formula, as every other reference here, not ATen's rms_norm,
+        # whose CUDA kernel may treat a row holding an Inf differently from its CPU one.
+        normed = rms_norm_ref(x, w, 1e-5).to(x.dtype)
         out.append((rope_ref(normed[:, None], t["cos"], t["sin"], True)[:, 0], x.dtype))
     return out
 
