@@ -218,12 +218,20 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 // which column_sum_kernel adds up in a fixed order. Rows wider than one slice are split over
 // blockIdx.x: each block still reads the whole row for the row statistics (the other
 // slices' reads mostly hit L2).
-
-// Up to 8 elements of x and of dy per thread (one 16-byte vector of fp16/bf16, two of fp32),
-// twice (this row and the next, prefetched), with the column grads in shared memory.
-__host__ __device__ constexpr int bwd_vecs(int vec) { return vec >= 8 ? 1 : 2; }
-// AdaLN keeps two column grads: 256 threads keep its shared memory at 32 KB.
-constexpr int bwd_max_block(bool modulate) { return modulate ? 256 : 512; }
+//
+// Bytes in flight come from loads per thread: 32 elements of x and of dy per thread (8
+// loads of 16 bytes; 128-thread rows at D = 4096 in 16 bits, four blocks per SM). One
+// 16-byte vector per thread on 512-thread rows (84 registers, one block per SM), even
+// with the next row prefetched, took 1.5x as long on the H200.
+__host__ __device__ constexpr int bwd_vecs(int vec) { return vec == 1 ? 8 : 32 / vec; }
+// Shared-memory floats per thread and column grad: its elements and 16 bytes of padding.
+__host__ __device__ constexpr int bwd_slot_stride(int vec) { return bwd_vecs(vec) * vec + 4; }
+constexpr int kBwdMaxBlock = 256;
+// Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
+constexpr int kBwdMinBlocks = 2;
+// Threads on one row slice: AdaLN's two column accumulators take half as many, so that the
+// shared memory stays at 32 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
+constexpr int bwd_row_threads(bool modulate) { return modulate ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
 template <typename T, typename W, typename G>
 struct NormBwdParams {
@@ -263,10 +271,11 @@ __device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, flo
 }
 
 template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE>
-__global__ void __launch_bounds__(bwd_max_block(MODULATE), 1)
+__global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
-  // Column-grad sums, [kAccs][rows_per_block][slice columns]: dy * n, and (AdaLN) dy.
-  extern __shared__ float column_acc[];
+  // Column-grad sums, [kAccs][threads][kStride]: dy * n, and (AdaLN) dy.
+  extern __shared__ float4 column_acc_storage[];
+  float* column_acc = reinterpret_cast<float*>(column_acc_storage);
   __shared__ float scratch[3][32];
   constexpr int kVecs = bwd_vecs(VEC);
   constexpr int kAccs = MODULATE ? 2 : 1;
@@ -282,46 +291,48 @@ __global__ void __launch_bounds__(bwd_max_block(MODULATE), 1)
   auto vec_index = [&](int chunk, int k) { return (chunk * kVecs + k) * threads_per_row + t; };
   const int slice_cols = threads_per_row * kVecs * VEC;
   const bool accumulate = p.factor_partial != nullptr || p.shift_partial != nullptr;
-  // This thread's slot for element j of its vector k, in accumulator `which`: threads of a
-  // row are adjacent (conflict-free banks).
-  auto slot = [&](int which, int k, int j) {
-    return column_acc + (which * rows_per_block + row_in_block) * slice_cols + (k * VEC + j) * threads_per_row + t;
+  // This thread's slots in accumulator `which`: its elements side by side (16-byte
+  // accesses at fixed offsets), threads bwd_slot_stride apart (no bank conflicts).
+  constexpr int kStride = bwd_slot_stride(VEC);
+  auto slots = [&](int which) { return column_acc + (which * blockDim.x + threadIdx.x) * kStride; };
+  // Adds v into the slots of vector k.
+  auto add_slots = [&](int which, int k, const float (&v)[VEC]) {
+    float* s = slots(which) + k * VEC;
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) {
+        float4 a = reinterpret_cast<float4*>(s)[q];
+        a.x += v[4 * q], a.y += v[4 * q + 1], a.z += v[4 * q + 2], a.w += v[4 * q + 3];
+        reinterpret_cast<float4*>(s)[q] = a;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[j] += v[j];
+    }
   };
   if (accumulate) {
 #pragma unroll
     for (int which = 0; which < kAccs; ++which) {
 #pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) *slot(which, k, j) = 0.f;
-      }
+      for (int e = 0; e < kVecs * VEC; ++e) slots(which)[e] = 0.f;
     }
   }
-  // The block's slice of its current row, and of its next row, loaded one row ahead so
-  // that the next row's loads are in flight during this row's reductions.
-  Vec<T, VEC> xs[kVecs], next_xs[kVecs];
-  Vec<G, VEC> dys[kVecs], next_dys[kVecs];
+  // The block's slice of its current row.
+  Vec<T, VEC> xs[kVecs];
+  Vec<G, VEC> dys[kVecs];
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * rows_per_block;
-  auto prefetch = [&](int64_t base) {
-    if (base + row_in_block >= p.group_rows) return;
-    const int64_t r = group_first + base + row_in_block;
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int i = vec_index(slice, k);
-      if (i >= nvec) continue;
-      next_xs[k] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
-      next_dys[k] = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
-    }
-  };
-  prefetch(static_cast<int64_t>(blockIdx.y) * rows_per_block);
 
   // Trip count uniform over the block: every thread joins every row reduction.
   for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block; base < p.group_rows; base += row_step) {
     const bool active = base + row_in_block < p.group_rows;
     const int64_t r = group_first + (active ? base + row_in_block : 0);
 #pragma unroll
-    for (int k = 0; k < kVecs; ++k) xs[k] = next_xs[k], dys[k] = next_dys[k];
-    prefetch(base + row_step);
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = vec_index(slice, k);
+      if (!active || i >= nvec) continue;
+      xs[k] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
+      dys[k] = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
+    }
     const int64_t batch = r / p.tokens;
     const T* x = p.input + r * p.input_stride;
     const G* dy = p.grad_out + r * p.grad_out_stride;
@@ -403,6 +414,7 @@ __global__ void __launch_bounds__(bwd_max_block(MODULATE), 1)
       Vec<T, VEC> ex;
       if (extra != nullptr) ex = load_vec<T, VEC>(extra, i);
       Vec<T, VEC> dx, fr, sr;
+      float dy_n[VEC], dy_f[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float d = to_float(dys[k].v[j]);
@@ -413,10 +425,12 @@ __global__ void __launch_bounds__(bwd_max_block(MODULATE), 1)
         if (p.cast_before_weight) normed = to_float(from_float<T>(normed));
         fr.v[j] = from_float<T>(d * normed);
         sr.v[j] = from_float<T>(d);
-        if (accumulate) {
-          *slot(0, k, j) += d * normed;
-          if constexpr (MODULATE) *slot(kAccs - 1, k, j) += d;
-        }
+        dy_n[j] = d * normed;
+        dy_f[j] = d;
+      }
+      if (accumulate) {
+        add_slots(0, k, dy_n);
+        if constexpr (MODULATE) add_slots(1, k, dy_f);
       }
       store_vec<T, VEC>(p.grad_input + out_row, i, dx);
       if constexpr (MODULATE) {
@@ -435,13 +449,12 @@ __global__ void __launch_bounds__(bwd_max_block(MODULATE), 1)
   for (int which = 0; which < kAccs; ++which) {
     float* partial = which == 0 ? p.factor_partial : p.shift_partial;
     if (partial == nullptr) continue;
-    const float* sums = column_acc + which * rows_per_block * slice_cols;
     for (int c = threadIdx.x; c < slice_cols && first_col + c < p.cols; c += blockDim.x) {
       // Column c of the slice is element j of vector k of thread t (see vec_index).
       const int k = c / (threads_per_row * VEC), in_k = c - k * threads_per_row * VEC;
-      const int at = (k * VEC + in_k % VEC) * threads_per_row + in_k / VEC;
+      const int offset = (which * blockDim.x + in_k / VEC) * kStride + k * VEC + in_k % VEC;
       float sum = 0.f;
-      for (int rr = 0; rr < rows_per_block; ++rr) sum += sums[rr * slice_cols + at];
+      for (int rr = 0; rr < rows_per_block; ++rr) sum += column_acc[offset + rr * threads_per_row * kStride];
       partial[partial_row + first_col + c] = sum;
     }
   }
@@ -483,24 +496,26 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   const int vecs_per_thread = bwd_vecs(vec);
-  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_max_block(MODULATE));
+  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(MODULATE));
   const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
   const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t groups = a.rows / a.group_rows;
 
-  // Enough row blocks to fill the GPU about twice over with resident threads; each adds one
-  // partial row per column grad, so no more than that.
-  int sms = 0, threads_per_sm = 0;
+  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
+  const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * bwd_slot_stride(vec) * sizeof(float) : 0;
+  const auto kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
+
+  // One wave of blocks, each walking its share of the rows (each adds one partial row per
+  // column grad, so no more blocks than fit at once).
+  int sms = 0, blocks_per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device.index()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, a.device.index()));
-  const int64_t resident = static_cast<int64_t>(sms) * threads_per_sm / cfg.block;
-  const int64_t wanted = std::max<int64_t>(1, resident / (groups * slices));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, cfg.block, shared));
+  const int64_t wanted = std::max<int64_t>(1, static_cast<int64_t>(sms) * blocks_per_sm / (groups * slices));
   const int row_blocks = static_cast<int>(std::min<int64_t>(
       {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
   TORCH_CHECK(groups <= 65535, "norm backward: ", groups, " batch entries is more than one launch takes (65535)");
 
-  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
   at::Tensor partial;
   float* factor_partial = nullptr;
   float* shift_partial = nullptr;
@@ -526,12 +541,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
                                  a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
-  const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * vecs_per_thread * vec * sizeof(float) : 0;
-  if (vector) {
-    norm_backward_kernel<T, W, G, V, KIND, MODULATE><<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
-  } else {
-    norm_backward_kernel<T, W, G, 1, KIND, MODULATE><<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
-  }
+  kernel<<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
   check_launch();
   if (sums && row_blocks > 1) {
     const dim3 sum_grid(static_cast<unsigned>((a.cols + kSumCols - 1) / kSumCols), static_cast<unsigned>(groups));

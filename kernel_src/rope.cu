@@ -33,8 +33,11 @@ struct RopeParams {
 };
 
 // Units of N channels: [x1, x2] at i and i + R/2 (rotate-half), or N/2 interleaved pairs.
-// threadIdx.x walks units, threadIdx.y walks the q heads then the k heads.
-template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED>
+// threadIdx.x walks units; threadIdx.y walks groups of HEADS heads (q's, then
+// k's). A thread issues its heads' loads before the tables' (which every head row of the
+// block shares, so they mostly hit L1/L2): all of them are in flight at once, where a load
+// of the tables first and of one head after it paid DRAM latency twice.
+template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED, int HEADS>
 __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> p) {
   const int64_t b = blockIdx.x / p.seq;
   const int64_t s = blockIdx.x - b * p.seq;
@@ -50,57 +53,51 @@ __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> 
   };
 
   const int rotary_units = INTERLEAVED ? p.rotary_dim / N : p.rotary_dim / 2 / N;
-  const int half = p.rotary_dim / 2;
+  // Rotate-half's second element of a pair sits half the rotary dim further on.
+  const int second = INTERLEAVED ? 0 : p.rotary_dim / 2;
   for (int u = threadIdx.x; u < rotary_units; u += blockDim.x) {
     const int i = u * N;
-    if constexpr (INTERLEAVED) {
-      const Vec<C, N> c = load_n<C, N, ALIGNED>(cos + i);
-      const Vec<C, N> sv = load_n<C, N, ALIGNED>(sin + i);
-      // The backward swaps and negates each pair's sines (the transpose of the rotation).
-      float sn[N];
+    for (int h0 = threadIdx.y * HEADS; h0 < heads; h0 += blockDim.y * HEADS) {
+      const T* in[HEADS];
+      T* out[HEADS];
+      Vec<T, N> x1[HEADS], x2[HEADS];
 #pragma unroll
-      for (int j = 0; j < N; j += 2) {
-        sn[j] = p.inverse ? -to_float(sv.v[j + 1]) : to_float(sv.v[j]);
-        sn[j + 1] = p.inverse ? -to_float(sv.v[j]) : to_float(sv.v[j + 1]);
+      for (int j = 0; j < HEADS; ++j) {
+        if (h0 + j >= heads) continue;
+        rows(h0 + j, in[j], out[j]);
+        x1[j] = load_n<T, N, ALIGNED>(in[j] + i);
+        if constexpr (!INTERLEAVED) x2[j] = load_n<T, N, ALIGNED>(in[j] + i + second);
       }
-      for (int h = threadIdx.y; h < heads; h += blockDim.y) {
-        const T* in;
-        T* out;
-        rows(h, in, out);
-        const Vec<T, N> x = load_n<T, N, ALIGNED>(in + i);
-        Vec<T, N> y;
+      const Vec<C, N> c1 = load_n<C, N, ALIGNED>(cos + i), sv1 = load_n<C, N, ALIGNED>(sin + i);
+      Vec<C, N> c2, sv2;
+      if constexpr (!INTERLEAVED) c2 = load_n<C, N, ALIGNED>(cos + i + second), sv2 = load_n<C, N, ALIGNED>(sin + i + second);
 #pragma unroll
-        for (int j = 0; j < N; j += 2) {
-          const float a = to_float(x.v[j]), e = to_float(x.v[j + 1]);
-          y.v[j] = from_float<T>(a * to_float(c.v[j]) - e * sn[j]);
-          y.v[j + 1] = from_float<T>(e * to_float(c.v[j + 1]) + a * sn[j + 1]);
-        }
-        store_n<T, N, ALIGNED>(out + i, y);
-      }
-    } else {
-      const Vec<C, N> c1 = load_n<C, N, ALIGNED>(cos + i), c2 = load_n<C, N, ALIGNED>(cos + i + half);
-      const Vec<C, N> sv1 = load_n<C, N, ALIGNED>(sin + i), sv2 = load_n<C, N, ALIGNED>(sin + i + half);
-      float s1[N], s2[N];  // the backward swaps and negates the halves' sines
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        s1[j] = p.inverse ? -to_float(sv2.v[j]) : to_float(sv1.v[j]);
-        s2[j] = p.inverse ? -to_float(sv1.v[j]) : to_float(sv2.v[j]);
-      }
-      for (int h = threadIdx.y; h < heads; h += blockDim.y) {
-        const T* in;
-        T* out;
-        rows(h, in, out);
-        const Vec<T, N> x1 = load_n<T, N, ALIGNED>(in + i);
-        const Vec<T, N> x2 = load_n<T, N, ALIGNED>(in + i + half);
+      for (int j = 0; j < HEADS; ++j) {
+        if (h0 + j >= heads) continue;
         Vec<T, N> y1, y2;
+        if constexpr (INTERLEAVED) {
+          // The backward swaps and negates each pair's sines (the transpose of the rotation).
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const float a = to_float(x1.v[j]), e = to_float(x2.v[j]);
-          y1.v[j] = from_float<T>(a * to_float(c1.v[j]) - e * s1[j]);
-          y2.v[j] = from_float<T>(e * to_float(c2.v[j]) + a * s2[j]);
+          for (int e = 0; e < N; e += 2) {
+            const float s0 = p.inverse ? -to_float(sv1.v[e + 1]) : to_float(sv1.v[e]);
+            const float s1 = p.inverse ? -to_float(sv1.v[e]) : to_float(sv1.v[e + 1]);
+            const float a = to_float(x1[j].v[e]), o = to_float(x1[j].v[e + 1]);
+            y1.v[e] = from_float<T>(a * to_float(c1.v[e]) - o * s0);
+            y1.v[e + 1] = from_float<T>(o * to_float(c1.v[e + 1]) + a * s1);
+          }
+        } else {
+          // The backward swaps and negates the halves' sines.
+#pragma unroll
+          for (int e = 0; e < N; ++e) {
+            const float s1 = p.inverse ? -to_float(sv2.v[e]) : to_float(sv1.v[e]);
+            const float s2 = p.inverse ? -to_float(sv1.v[e]) : to_float(sv2.v[e]);
+            const float a = to_float(x1[j].v[e]), o = to_float(x2[j].v[e]);
+            y1.v[e] = from_float<T>(a * to_float(c1.v[e]) - o * s1);
+            y2.v[e] = from_float<T>(o * to_float(c2.v[e]) + a * s2);
+          }
+          store_n<T, N, ALIGNED>(out[j] + i + second, y2);
         }
-        store_n<T, N, ALIGNED>(out + i, y1);
-        store_n<T, N, ALIGNED>(out + i + half, y2);
+        store_n<T, N, ALIGNED>(out[j] + i, y1);
       }
     }
   }
@@ -144,14 +141,17 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   const bool vector = vectorizable<T, C, V>(a);
   // Scalar path: one channel (rotate-half) or one pair (interleaved) per unit.
   constexpr int kScalarN = INTERLEAVED ? 2 : 1;
+  constexpr int kHeads = INTERLEAVED ? 2 : 1;
   const int n = vector ? V : kScalarN;
   const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / n;
-  // Threads over the units of a head first, then one row of threads per head (up to
-  // 512 threads): a thread that loops over several heads serialises their DRAM latency.
+  // Threads over the units of a head first, then one row of threads per kHeads heads (up
+  // to 512 threads). Interleaved takes two heads per thread: LTX's q and k read their
+  // [B, S, C] fp32 tables (half the bytes it moves) once; 1.04x faster than one head on
+  // the H200. Rotate-half's four table vectors leave no registers for a second head.
   int tx = 1;
   while (tx < units && tx < kUnitThreads) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
-  const int ty = static_cast<int>(std::min<int64_t>(heads, kMaxBlock / tx));
+  const int ty = static_cast<int>(std::min<int64_t>((heads + kHeads - 1) / kHeads, kMaxBlock / tx));
   const dim3 block(tx, ty);
   const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
                            a.table_b, a.table_s, a.seq, static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim),
@@ -159,9 +159,9 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
   if (vector) {
-    rope_kernel<T, C, V, true, INTERLEAVED><<<blocks, block, 0, stream>>>(p);
+    rope_kernel<T, C, V, true, INTERLEAVED, kHeads><<<blocks, block, 0, stream>>>(p);
   } else {
-    rope_kernel<T, C, kScalarN, false, INTERLEAVED><<<blocks, block, 0, stream>>>(p);
+    rope_kernel<T, C, kScalarN, false, INTERLEAVED, kHeads><<<blocks, block, 0, stream>>>(p);
   }
   check_launch();
 }
