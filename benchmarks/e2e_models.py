@@ -15,8 +15,8 @@ its error rather than stopping the run.
 Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
 whole models), after warmup; the median is reported. Each kernelized output is compared
 with the eager one. Also a torch.profiler breakdown of the kernels of one kernelized eager
-LTX forward (49 frames), a Markdown table, JSON (--json) and a PNG bar chart (matplotlib, if
-importable).
+call per model (LTX: the 49-frame forward; Qwen3: the decode step), a Markdown table, JSON
+(--json) and a PNG bar chart (matplotlib, if importable).
 
     python benchmarks/e2e_models.py --json benchmarks/results/e2e_h200.json   # on a GPU
     python benchmarks/e2e_models.py --tiny                                    # small models, seconds on CPU
@@ -167,6 +167,15 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
     return results
 
 
+def kernelized_profile(model, workload: Workload, kernelize, device, top) -> List[dict]:
+    """profile_kernels of one call of ``workload`` on the kernelized ``model``."""
+    kernelize(model)
+    try:
+        return profile_kernels(lambda: workload.run(model), device, top)
+    finally:
+        unkernelize(model)
+
+
 def profile_kernels(fn, device, top) -> List[dict]:
     """The ``top`` kernels (CUDA) or ops (CPU) by their own time in one call of ``fn``."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -284,7 +293,7 @@ def main(argv=None):
 
     diffusers_logging.set_verbosity_error()  # its note on casting with .to(dtype) is about fp32 modules it has none of
     results: List[Result] = []
-    profile = []
+    profiles: Dict[str, List[dict]] = {}  # workload name -> its kernelized profile
     if "ltx" in args.models:
         torch.manual_seed(0)
         with torch.device(device):  # random init on the device: seconds, where the CPU takes minutes
@@ -293,24 +302,26 @@ def main(argv=None):
         print(f"LTX-Video transformer: {parameters(ltx)} parameters", flush=True)
         results += benchmark_model(ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options)
         if args.profile_top:
-            kernelize_diffusers(ltx)
-            profile = profile_kernels(lambda: workloads[0].run(ltx), device, args.profile_top)
-            unkernelize(ltx)
+            profiles[workloads[0].name] = kernelized_profile(ltx, workloads[0], kernelize_diffusers, device,
+                                                             args.profile_top)
         del ltx, workloads
     if "qwen3" in args.models:
         torch.manual_seed(0)
         with torch.device(device):
             qwen = Qwen3ForCausalLM(Qwen3Config(**(TINY_QWEN3 if args.tiny else QWEN3_8B))).to(DTYPE).eval()
         print(f"Qwen3: {parameters(qwen)} parameters", flush=True)
-        results += benchmark_model(qwen, qwen3_workloads(qwen, device, args.tiny), kernelize_transformers, configs,
-                                   device, timing, compile_options)
-        del qwen
+        workloads = qwen3_workloads(qwen, device, args.tiny)
+        results += benchmark_model(qwen, workloads, kernelize_transformers, configs, device, timing, compile_options)
+        if args.profile_top:  # the decode step: where the per-layer small kernels show
+            profiles[workloads[-1].name] = kernelized_profile(qwen, workloads[-1], kernelize_transformers, device,
+                                                              args.profile_top)
+        del qwen, workloads
 
     env = environment(device)
     print(f"\n{env['device']}, torch {env['torch']}, {DTYPE}, median of {timing[1]} after {timing[0]} warmup\n")
     print(markdown(results, configs))
-    if profile:
-        print(f"\nWhere the kernelized eager {results[0].workload} spends its time (top {len(profile)}):\n")
+    for workload, profile in profiles.items():
+        print(f"\nWhere the kernelized eager {workload} spends its time (top {len(profile)}):\n")
         print("| kernel | calls | ms | % |\n|---|---|---|---|")
         for row in profile:
             print(f"| {row['name'][:90]} | {row['calls']} | {row['ms']:.3f} | {row['percent']:.1f} |")
@@ -318,7 +329,7 @@ def main(argv=None):
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(environment=env, tiny=args.tiny, timing=dict(warmup=timing[0],
                              repeats=timing[1]), compile=compile_options, results=[asdict(r) for r in results],
-                             profile=profile), indent=2))
+                             profiles=profiles), indent=2))
         print(f"\njson: {args.json}")
         plot(results, configs, args.json.with_suffix(".png"))
     return results
