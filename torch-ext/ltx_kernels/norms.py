@@ -271,7 +271,6 @@ def _gated_residual_adaln_backward(ctx, grad_sum, grad_out):
     return (grad_total, *_gated_grads(grad_total, x, gate), grad_scale, grad_shift, None, None)
 
 
-register_autograd("rms_norm", _rms_norm_backward, _rms_norm_setup)
 register_autograd("fused_add_rms_norm", _fused_add_backward, _fused_add_setup)
 register_autograd("adaln", _adaln_backward, _adaln_setup)
 register_autograd("gated_residual", _gated_residual_backward, _gated_residual_setup)
