@@ -510,7 +510,8 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
 
   const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
   const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * bwd_slot_stride(vec) * sizeof(float) : 0;
-  const auto kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
+  const auto kernel =
+      vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
 
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).

@@ -70,7 +70,10 @@ __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> 
       }
       const Vec<C, N> c1 = load_n<C, N, ALIGNED>(cos + i), sv1 = load_n<C, N, ALIGNED>(sin + i);
       Vec<C, N> c2, sv2;
-      if constexpr (!INTERLEAVED) c2 = load_n<C, N, ALIGNED>(cos + i + second), sv2 = load_n<C, N, ALIGNED>(sin + i + second);
+      if constexpr (!INTERLEAVED) {
+        c2 = load_n<C, N, ALIGNED>(cos + i + second);
+        sv2 = load_n<C, N, ALIGNED>(sin + i + second);
+      }
 #pragma unroll
       for (int j = 0; j < HEADS; ++j) {
         if (h0 + j >= heads) continue;
