@@ -3,7 +3,6 @@
 // outputs here in C++, so that a Python call costs one dispatch.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "registration.h"
@@ -199,48 +198,6 @@ void impl_activation_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("geglu_backward", device, &geglu_backward<B>);
 }
 
-// Autograd in C++: a call that needs no grad goes straight to the kernel below the
-// Autograd key (torch.library.register_autograd's Python layer cost 5-8 us per call).
-template <class Signature>
-const c10::TypedOperatorHandle<Signature>& op_handle(const char* name) {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow((std::string(STRINGIFY(TORCH_EXTENSION_NAME)) + "::" + name).c_str(), "")
-                                 .template typed<Signature>();
-  return handle;
-}
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& input, const optional<Tensor>& weight, double eps,
-                        double weight_offset, bool cast_before_weight, optional<at::ScalarType> out_dtype) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    static const auto& op = op_handle<decltype(rms_norm<ltx::CpuNorm>)>("rms_norm");
-    ctx->save_for_backward({input, weight.value_or(Tensor())});
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["weight_offset"] = weight_offset;
-    ctx->saved_data["cast_before_weight"] = cast_before_weight;
-    return op.call(input, weight, eps, weight_offset, cast_before_weight, out_dtype);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto& op = op_handle<decltype(ltx::rms_norm_backward<ltx::CpuNorm>)>("rms_norm_backward");
-    const variable_list saved = ctx->get_saved_variables();
-    const optional<Tensor> weight = saved[1].defined() ? optional<Tensor>(saved[1]) : std::nullopt;
-    auto [grad_input, grad_weight] =
-        op.call(grads[0].contiguous(), saved[0], weight, ctx->saved_data["eps"].toDouble(),
-                ctx->saved_data["weight_offset"].toDouble(), ctx->saved_data["cast_before_weight"].toBool(),
-                std::nullopt);
-    return {grad_input, weight ? grad_weight : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-};
-
-Tensor rms_norm_autograd(const Tensor& input, const optional<Tensor>& weight, double eps, double weight_offset,
-                         bool cast_before_weight, optional<at::ScalarType> out_dtype) {
-  return RmsNormFunction::apply(input, weight, eps, weight_offset, cast_before_weight, out_dtype);
-}
-
 template <class B>
 void impl_norm_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("rms_norm", device, &rms_norm<B>);
@@ -276,7 +233,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
           "float eps, str norm) -> (Tensor, Tensor)");
   ops.def("gated_residual_adaln_out(Tensor! residual_out, Tensor! out, Tensor residual, Tensor input, "
           "Tensor gate, Tensor scale, Tensor shift, float eps, str norm) -> ()");
-  // Backward ops: the grads of each differentiable input (see the Python autograd formulas).
+  // Backward ops: the grads of each differentiable input (see torch_autograd.cpp).
   ops.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps, float weight_offset, "
           "bool cast_before_weight, Tensor? grad_extra) -> (Tensor, Tensor)");
   ops.def("adaln_backward(Tensor grad_out, Tensor input, Tensor scale, Tensor shift, float eps, str norm, "
@@ -303,7 +260,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) "
           "-> (Tensor, Tensor)");
 
-  ops.impl("rms_norm", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(rms_norm_autograd)));
+  register_autograd_kernels(ops);
 
   // CPU twins are registered in every variant: a CUDA build of torch serves CPU tensors too.
   impl_norm_ops<ltx::CpuNorm>(ops, c10::DeviceType::CPU);

@@ -5,3 +5,8 @@
 #include "activation.h"
 #include "norm.h"
 #include "rope.h"
+
+#include <torch/library.h>
+
+// The Autograd-key kernels of the functional ops (torch_autograd.cpp).
+void register_autograd_kernels(torch::Library& ops);

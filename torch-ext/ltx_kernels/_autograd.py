@@ -1,12 +1,7 @@
-"""Shared glue between the functional API and torch.autograd."""
+"""Shared glue between the functional API and torch.autograd (whose formulas are C++
+kernels on the Autograd key: torch-ext/torch_autograd.cpp)."""
 
 import torch
-
-from ._ops import add_op_namespace_prefix
-
-
-def register_autograd(op: str, backward, setup_context) -> None:
-    torch.library.register_autograd(add_op_namespace_prefix(op), backward, setup_context=setup_context)
 
 
 def check_no_grad(op: str, *tensors) -> None:

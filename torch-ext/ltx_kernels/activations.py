@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
-from ._autograd import check_no_grad, register_autograd
+from ._autograd import check_no_grad
 
 
 def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -83,28 +83,3 @@ def _(grad, gate, up, approximate):
 @torch.library.register_fake(add_op_namespace_prefix("geglu_backward"))
 def _(grad, x, approximate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))
-    ctx.approximate = inputs[-1]
-
-
-def _gelu_backward(ctx, grad):
-    (x,) = ctx.saved_tensors
-    return ops.gelu_backward(grad.contiguous(), x, ctx.approximate), None
-
-
-def _gelu_mul_backward(ctx, grad):
-    gate, up = ctx.saved_tensors
-    return (*ops.gelu_mul_backward(grad.contiguous(), gate, up, ctx.approximate), None)
-
-
-def _geglu_backward(ctx, grad):
-    (x,) = ctx.saved_tensors
-    return ops.geglu_backward(grad.contiguous(), x, ctx.approximate), None
-
-
-register_autograd("gelu", _gelu_backward, _save_inputs)
-register_autograd("gelu_mul", _gelu_mul_backward, _save_inputs)
-register_autograd("geglu", _geglu_backward, _save_inputs)

@@ -1,5 +1,6 @@
 """The norm family: the functional API over the compiled ops, with their fake (meta)
-implementations for torch.compile and their autograd formulas beside them.
+implementations for torch.compile beside them (their autograd is C++:
+torch-ext/torch_autograd.cpp).
 
 Shared rules: tensors are float32, float16 or bfloat16 on one device (CPU or CUDA); the
 input is ``[..., D]`` with a contiguous last dim and leading dims that collapse into one
@@ -17,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
-from ._autograd import check_no_grad, register_autograd
+from ._autograd import check_no_grad
 
 NORMS = ("rms", "layer")
 
@@ -193,85 +194,3 @@ def _(grad_out, x, weight, eps, weight_offset, cast_before_weight, grad_extra):
 def _(grad_out, x, scale, shift, eps, norm, grad_extra):
     return (_empty_rows_like(x), torch.empty_like(scale, memory_format=torch.contiguous_format),
             torch.empty_like(shift, memory_format=torch.contiguous_format))
-
-
-# Autograd formulas. Each backward is one kernel for the norm; the gated residual's own
-# grads are plain tensor math on the norm's grad.
-
-
-def _bsd(t: torch.Tensor) -> torch.Tensor:
-    """A modulation operand ([D], [B, D] or [B, S, D]) or input ([B, D] or [B, S, D]) as 3-D."""
-    return t.reshape((1, 1) + t.shape) if t.dim() == 1 else t.unsqueeze(1) if t.dim() == 2 else t
-
-
-def _gated_grads(grad_h, x, gate):
-    """Grads of ``residual + x * gate`` for x and gate, given the grad of the sum."""
-    grad_x = (_bsd(grad_h) * _bsd(gate)).reshape(x.shape)
-    grad_gate = (_bsd(grad_h) * _bsd(x)).sum_to_size(_bsd(gate).shape).reshape(gate.shape)
-    return grad_x, grad_gate
-
-
-def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, weight_offset, cast_before_weight, _ = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.args = (eps, weight_offset, cast_before_weight)
-
-
-def _rms_norm_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    grad_x, grad_weight = ops.rms_norm_backward(grad.contiguous(), x, weight, *ctx.args, None)
-    return grad_x, grad_weight if weight is not None else None, None, None, None, None
-
-
-def _fused_add_setup(ctx, inputs, output):
-    _, _, weight, eps, weight_offset, cast_before_weight = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.args = (eps, weight_offset, cast_before_weight)
-
-
-def _fused_add_backward(ctx, grad_out, grad_sum):
-    total, weight = ctx.saved_tensors
-    grad_total, grad_weight = ops.rms_norm_backward(grad_out.contiguous(), total, weight, *ctx.args,
-                                                    grad_sum.contiguous())
-    return grad_total, grad_total, grad_weight if weight is not None else None, None, None, None
-
-
-def _adaln_setup(ctx, inputs, output):
-    x, scale, shift, eps, norm = inputs
-    ctx.save_for_backward(x, scale, shift)
-    ctx.args = (eps, norm)
-
-
-def _adaln_backward(ctx, grad):
-    x, scale, shift = ctx.saved_tensors
-    grad_x, grad_scale, grad_shift = ops.adaln_backward(grad.contiguous(), x, scale, shift, *ctx.args, None)
-    return grad_x, grad_scale, grad_shift, None, None
-
-
-def _gated_residual_setup(ctx, inputs, output):
-    _, x, gate = inputs
-    ctx.save_for_backward(x, gate)
-
-
-def _gated_residual_backward(ctx, grad):
-    x, gate = ctx.saved_tensors
-    return (grad, *_gated_grads(grad, x, gate))
-
-
-def _gated_residual_adaln_setup(ctx, inputs, output):
-    _, x, gate, scale, shift, eps, norm = inputs
-    ctx.save_for_backward(x, gate, scale, shift, output[0])
-    ctx.args = (eps, norm)
-
-
-def _gated_residual_adaln_backward(ctx, grad_sum, grad_out):
-    x, gate, scale, shift, total = ctx.saved_tensors
-    grad_total, grad_scale, grad_shift = ops.adaln_backward(grad_out.contiguous(), total, scale, shift, *ctx.args,
-                                                            grad_sum.contiguous())
-    return (grad_total, *_gated_grads(grad_total, x, gate), grad_scale, grad_shift, None, None)
-
-
-register_autograd("fused_add_rms_norm", _fused_add_backward, _fused_add_setup)
-register_autograd("adaln", _adaln_backward, _adaln_setup)
-register_autograd("gated_residual", _gated_residual_backward, _gated_residual_setup)
-register_autograd("gated_residual_adaln", _gated_residual_adaln_backward, _gated_residual_adaln_setup)

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
-from ._autograd import check_no_grad, register_autograd
+from ._autograd import check_no_grad
 
 
 def rope_rotate_half(
@@ -92,45 +92,3 @@ del _name
 @torch.library.register_fake(add_op_namespace_prefix("rope_backward"))
 def _(grad_q, grad_k, cos, sin, interleaved, sequence_dim):
     return torch.empty_like(grad_q), torch.empty_like(grad_k)
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check_constant_tables(ctx, op: str, first_table: int) -> None:
-    if any(ctx.needs_input_grad[first_table:first_table + 2]):
-        raise RuntimeError(f"{op}: gradients for cos and sin are not supported (they are constants); detach them")
-
-
-def _rope_setup(ctx, inputs, output):
-    _, _, cos, sin, interleaved, sequence_dim = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.args = (interleaved, sequence_dim)
-
-
-def _rope_backward(ctx, grad_q, grad_k):
-    _check_constant_tables(ctx, "rope", 2)
-    cos, sin = ctx.saved_tensors
-    grad_q, grad_k = ops.rope_backward(_last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), cos, sin, *ctx.args)
-    return grad_q, grad_k, None, None, None, None
-
-
-def _qk_norm_rope_setup(ctx, inputs, output):
-    q, k, q_weight, k_weight, cos, sin, eps = inputs
-    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
-    ctx.eps = eps
-
-
-def _qk_norm_rope_backward(ctx, grad_q, grad_k):
-    _check_constant_tables(ctx, "qk_norm_rope", 4)
-    q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
-    # Un-rotate, then the RMSNorm backward (its weight multiply comes before the rotation).
-    grad_q, grad_k = ops.rope_backward(grad_q.contiguous(), grad_k.contiguous(), cos, sin, True, 2)
-    grad_q, grad_q_weight = ops.rms_norm_backward(grad_q, q, q_weight, ctx.eps, 0.0, False, None)
-    grad_k, grad_k_weight = ops.rms_norm_backward(grad_k, k, k_weight, ctx.eps, 0.0, False, None)
-    return grad_q, grad_k, grad_q_weight, grad_k_weight, None, None, None
-
-
-register_autograd("rope", _rope_backward, _rope_setup)
-register_autograd("qk_norm_rope", _qk_norm_rope_backward, _qk_norm_rope_setup)

@@ -1,0 +1,330 @@
+// Autograd for the functional ops, as C++ kernels on the Autograd dispatch key. A call
+// that needs no grad goes straight on to the CPU / CUDA kernel (what Python's
+// torch.library.register_autograd layer did for 5-8 us a call); a call that does records
+// a node whose backward calls the backward ops. torch.compile traces through these too.
+#include <ATen/ops/mul.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "registration.h"
+#include "torch_binding.h"
+
+#include <string>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+using std::optional;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Tensors2 = std::tuple<Tensor, Tensor>;
+using Tensors3 = std::tuple<Tensor, Tensor, Tensor>;
+
+// The op `name` of this extension, called below the Autograd key by the forwards.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow((std::string(STRINGIFY(TORCH_EXTENSION_NAME)) + "::" + name).c_str(), "")
+      .template typed<Signature>();
+}
+
+#define LTX_OP(name, signature)                                       \
+  const c10::TypedOperatorHandle<signature>& name##_op() {            \
+    static const auto handle = op_handle<signature>(#name);           \
+    return handle;                                                    \
+  }
+
+LTX_OP(rms_norm, Tensor(const Tensor&, const optional<Tensor>&, double, double, bool, optional<at::ScalarType>))
+LTX_OP(fused_add_rms_norm, Tensors2(const Tensor&, const Tensor&, const optional<Tensor>&, double, double, bool))
+LTX_OP(rms_norm_backward, Tensors2(const Tensor&, const Tensor&, const optional<Tensor>&, double, double, bool,
+                                   const optional<Tensor>&))
+LTX_OP(adaln, Tensor(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view))
+LTX_OP(gated_residual, Tensor(const Tensor&, const Tensor&, const Tensor&))
+LTX_OP(gated_residual_adaln, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      double, c10::string_view))
+LTX_OP(adaln_backward, Tensors3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, c10::string_view,
+                                const optional<Tensor>&))
+LTX_OP(rope, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, int64_t))
+LTX_OP(rope_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, int64_t))
+LTX_OP(qk_norm_rope, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const Tensor&, double))
+LTX_OP(gelu, Tensor(const Tensor&, c10::string_view))
+LTX_OP(gelu_backward, Tensor(const Tensor&, const Tensor&, c10::string_view))
+LTX_OP(gelu_mul, Tensor(const Tensor&, const Tensor&, c10::string_view))
+LTX_OP(gelu_mul_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&, c10::string_view))
+LTX_OP(geglu, Tensor(const Tensor&, c10::string_view))
+LTX_OP(geglu_backward, Tensor(const Tensor&, const Tensor&, c10::string_view))
+#undef LTX_OP
+
+optional<Tensor> maybe(const Tensor& t) { return t.defined() ? optional<Tensor>(t) : std::nullopt; }
+
+// A modulation operand ([D], [B, D] or [B, S, D]) or an input ([B, D] or [B, S, D]) as 3-D.
+Tensor bsd(const Tensor& t) {
+  return t.dim() == 1 ? t.reshape({1, 1, t.size(0)}) : t.dim() == 2 ? t.unsqueeze(1) : t;
+}
+
+// Grads of residual + x * gate for x and gate, given the grad of the sum.
+Tensors2 gated_grads(const Tensor& grad_sum, const Tensor& x, const Tensor& gate) {
+  const Tensor grad_x = at::mul(bsd(grad_sum), bsd(gate)).reshape(x.sizes());
+  const Tensor grad_gate = at::mul(bsd(grad_sum), bsd(x)).sum_to_size(bsd(gate).sizes()).reshape(gate.sizes());
+  return {grad_x, grad_gate};
+}
+
+Tensor last_dim_contiguous(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// RoPE tables are constants: a cos or sin that requires grad is refused at backward.
+void check_constant_tables(AutogradContext* ctx, const char* op, int first_table) {
+  TORCH_CHECK(!ctx->needs_input_grad(first_table) && !ctx->needs_input_grad(first_table + 1), op,
+              ": gradients for cos and sin are not supported (they are constants); detach them");
+}
+
+struct RmsNorm : torch::autograd::Function<RmsNorm> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& input, const optional<Tensor>& weight, double eps,
+                        double weight_offset, bool cast_before_weight, optional<at::ScalarType> out_dtype) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({input, weight.value_or(Tensor())});
+    ctx->saved_data["args"] = c10::ivalue::Tuple::create({eps, weight_offset, cast_before_weight});
+    return rms_norm_op().call(input, weight, eps, weight_offset, cast_before_weight, out_dtype);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const auto& args = ctx->saved_data["args"].toTupleRef().elements();
+    const optional<Tensor> weight = maybe(saved[1]);
+    auto [grad_input, grad_weight] = rms_norm_backward_op().call(
+        grads[0].contiguous(), saved[0], weight, args[0].toDouble(), args[1].toDouble(), args[2].toBool(), std::nullopt);
+    return {grad_input, weight ? grad_weight : Tensor(), {}, {}, {}, {}};
+  }
+};
+
+struct FusedAddRmsNorm : torch::autograd::Function<FusedAddRmsNorm> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& input, const Tensor& residual,
+                               const optional<Tensor>& weight, double eps, double weight_offset,
+                               bool cast_before_weight) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [out, sum] = fused_add_rms_norm_op().call(input, residual, weight, eps, weight_offset, cast_before_weight);
+    ctx->save_for_backward({sum, weight.value_or(Tensor())});
+    ctx->saved_data["args"] = c10::ivalue::Tuple::create({eps, weight_offset, cast_before_weight});
+    return {out, sum};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const auto& args = ctx->saved_data["args"].toTupleRef().elements();
+    const optional<Tensor> weight = maybe(saved[1]);
+    // The sum's own grad joins the norm's as grad_extra.
+    auto [grad_sum, grad_weight] =
+        rms_norm_backward_op().call(grads[0].contiguous(), saved[0], weight, args[0].toDouble(), args[1].toDouble(),
+                                    args[2].toBool(), grads[1].contiguous());
+    return {grad_sum, grad_sum, weight ? grad_weight : Tensor(), {}, {}, {}};
+  }
+};
+
+struct Adaln : torch::autograd::Function<Adaln> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& scale, const Tensor& shift,
+                        double eps, c10::string_view norm) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({input, scale, shift});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["norm"] = std::string(norm);
+    return adaln_op().call(input, scale, shift, eps, norm);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_input, grad_scale, grad_shift] =
+        adaln_backward_op().call(grads[0].contiguous(), saved[0], saved[1], saved[2], ctx->saved_data["eps"].toDouble(),
+                                 ctx->saved_data["norm"].toStringRef(), std::nullopt);
+    return {grad_input, grad_scale, grad_shift, {}, {}};
+  }
+};
+
+struct GatedResidual : torch::autograd::Function<GatedResidual> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& input, const Tensor& gate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({input, gate});
+    return gated_residual_op().call(residual, input, gate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_input, grad_gate] = gated_grads(grads[0], saved[0], saved[1]);
+    return {grads[0], grad_input, grad_gate};
+  }
+};
+
+struct GatedResidualAdaln : torch::autograd::Function<GatedResidualAdaln> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& input, const Tensor& gate,
+                               const Tensor& scale, const Tensor& shift, double eps, c10::string_view norm) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [sum, out] = gated_residual_adaln_op().call(residual, input, gate, scale, shift, eps, norm);
+    ctx->save_for_backward({input, gate, scale, shift, sum});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["norm"] = std::string(norm);
+    return {sum, out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    // The sum's own grad joins the norm's as grad_extra.
+    auto [grad_sum, grad_scale, grad_shift] =
+        adaln_backward_op().call(grads[1].contiguous(), saved[4], saved[2], saved[3],
+                                 ctx->saved_data["eps"].toDouble(), ctx->saved_data["norm"].toStringRef(),
+                                 grads[0].contiguous());
+    auto [grad_input, grad_gate] = gated_grads(grad_sum, saved[0], saved[1]);
+    return {grad_sum, grad_input, grad_gate, grad_scale, grad_shift, {}, {}};
+  }
+};
+
+struct Rope : torch::autograd::Function<Rope> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
+                               const Tensor& sin, bool interleaved, int64_t sequence_dim) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["sequence_dim"] = sequence_dim;
+    auto [q_out, k_out] = rope_op().call(q, k, cos, sin, interleaved, sequence_dim);
+    return {q_out, k_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_constant_tables(ctx, "rope", 2);
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_q, grad_k] =
+        rope_backward_op().call(last_dim_contiguous(grads[0]), last_dim_contiguous(grads[1]), saved[0], saved[1],
+                                ctx->saved_data["interleaved"].toBool(), ctx->saved_data["sequence_dim"].toInt());
+    return {grad_q, grad_k, {}, {}, {}, {}};
+  }
+};
+
+struct QkNormRope : torch::autograd::Function<QkNormRope> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& q_weight,
+                               const Tensor& k_weight, const Tensor& cos, const Tensor& sin, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({q, k, q_weight, k_weight, cos, sin});
+    ctx->saved_data["eps"] = eps;
+    auto [q_out, k_out] = qk_norm_rope_op().call(q, k, q_weight, k_weight, cos, sin, eps);
+    return {q_out, k_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_constant_tables(ctx, "qk_norm_rope", 4);
+    const variable_list s = ctx->get_saved_variables();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    // Un-rotate, then the RMSNorm backward (its weight multiply comes before the rotation).
+    auto [grad_q_normed, grad_k_normed] =
+        rope_backward_op().call(grads[0].contiguous(), grads[1].contiguous(), s[4], s[5], true, 2);
+    auto [grad_q, grad_q_weight] =
+        rms_norm_backward_op().call(grad_q_normed, s[0], s[2], eps, 0.0, false, std::nullopt);
+    auto [grad_k, grad_k_weight] =
+        rms_norm_backward_op().call(grad_k_normed, s[1], s[3], eps, 0.0, false, std::nullopt);
+    return {grad_q, grad_k, grad_q_weight, grad_k_weight, {}, {}, {}};
+  }
+};
+
+struct Gelu : torch::autograd::Function<Gelu> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& input, c10::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({input});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return gelu_op().call(input, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    return {gelu_backward_op().call(grads[0].contiguous(), saved[0], ctx->saved_data["approximate"].toStringRef()),
+            {}};
+  }
+};
+
+struct GeluMul : torch::autograd::Function<GeluMul> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return gelu_mul_op().call(gate, up, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_gate, grad_up] = gelu_mul_backward_op().call(grads[0].contiguous(), saved[0], saved[1],
+                                                            ctx->saved_data["approximate"].toStringRef());
+    return {grad_gate, grad_up, {}};
+  }
+};
+
+struct Geglu : torch::autograd::Function<Geglu> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& input, c10::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({input});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return geglu_op().call(input, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    return {geglu_backward_op().call(grads[0].contiguous(), saved[0], ctx->saved_data["approximate"].toStringRef()),
+            {}};
+  }
+};
+
+Tensors2 pair(const variable_list& v) { return {v[0], v[1]}; }
+
+// The Autograd-key kernels, with the ops' schema signatures.
+Tensor rms_norm(const Tensor& input, const optional<Tensor>& weight, double eps, double weight_offset,
+                bool cast_before_weight, optional<at::ScalarType> out_dtype) {
+  return RmsNorm::apply(input, weight, eps, weight_offset, cast_before_weight, out_dtype);
+}
+
+Tensors2 fused_add_rms_norm(const Tensor& input, const Tensor& residual, const optional<Tensor>& weight, double eps,
+                            double weight_offset, bool cast_before_weight) {
+  return pair(FusedAddRmsNorm::apply(input, residual, weight, eps, weight_offset, cast_before_weight));
+}
+
+Tensor adaln(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps, c10::string_view norm) {
+  return Adaln::apply(input, scale, shift, eps, norm);
+}
+
+Tensor gated_residual(const Tensor& residual, const Tensor& input, const Tensor& gate) {
+  return GatedResidual::apply(residual, input, gate);
+}
+
+Tensors2 gated_residual_adaln(const Tensor& residual, const Tensor& input, const Tensor& gate, const Tensor& scale,
+                              const Tensor& shift, double eps, c10::string_view norm) {
+  return pair(GatedResidualAdaln::apply(residual, input, gate, scale, shift, eps, norm));
+}
+
+Tensors2 rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, bool interleaved,
+              int64_t sequence_dim) {
+  return pair(Rope::apply(q, k, cos, sin, interleaved, sequence_dim));
+}
+
+Tensors2 qk_norm_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight, const Tensor& k_weight,
+                      const Tensor& cos, const Tensor& sin, double eps) {
+  return pair(QkNormRope::apply(q, k, q_weight, k_weight, cos, sin, eps));
+}
+
+Tensor gelu(const Tensor& input, c10::string_view approximate) { return Gelu::apply(input, approximate); }
+
+Tensor gelu_mul(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  return GeluMul::apply(gate, up, approximate);
+}
+
+Tensor geglu(const Tensor& input, c10::string_view approximate) { return Geglu::apply(input, approximate); }
+
+}  // namespace
+
+void register_autograd_kernels(torch::Library& ops) {
+  const auto key = c10::DispatchKey::Autograd;
+  ops.impl("rms_norm", torch::dispatch(key, TORCH_FN(rms_norm)));
+  ops.impl("fused_add_rms_norm", torch::dispatch(key, TORCH_FN(fused_add_rms_norm)));
+  ops.impl("adaln", torch::dispatch(key, TORCH_FN(adaln)));
+  ops.impl("gated_residual", torch::dispatch(key, TORCH_FN(gated_residual)));
+  ops.impl("gated_residual_adaln", torch::dispatch(key, TORCH_FN(gated_residual_adaln)));
+  ops.impl("rope", torch::dispatch(key, TORCH_FN(rope)));
+  ops.impl("qk_norm_rope", torch::dispatch(key, TORCH_FN(qk_norm_rope)));
+  ops.impl("gelu", torch::dispatch(key, TORCH_FN(gelu)));
+  ops.impl("gelu_mul", torch::dispatch(key, TORCH_FN(gelu_mul)));
+  ops.impl("geglu", torch::dispatch(key, TORCH_FN(geglu)));
+}
