@@ -191,3 +191,27 @@ def test_refuses_a_model_with_nothing_to_replace(models_to_restore):
     assert lki.kernelize_transformers(model, mode=lki.Mode.TRAINING | lki.Mode.TORCH_COMPILE) == FAMILIES["llama"][2]
     with pytest.raises(TypeError, match="not a torch.nn.Module"):
         lki.kernelize_transformers("meta-llama/Llama-3.2-1B")
+
+
+def test_compiled_models_leave_the_layers_work_to_inductor(models_to_restore):
+    """Under torch.compile the transformers layers trace the host's code, which inductor
+    fuses with its neighbours (see layers._inductor_fuses_it); eager calls run the kernels."""
+    model = small_model("qwen3", "cpu", torch.float32)
+    models_to_restore.append(model)
+    lki.kernelize_transformers(model)
+    traced = set()
+
+    def recording_backend(graph_module, example_inputs):
+        traced.update(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=recording_backend)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = compiled(ids, use_cache=False).logits
+        with OpsCalled() as eager:
+            want = model(ids, use_cache=False).logits
+    assert traced and not [op for op in traced if "_ltx_kernels" in op]
+    assert eager.names == {"rms_norm", "rope"}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
