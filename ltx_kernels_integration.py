@@ -136,8 +136,20 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
                            mode: Mode = Mode.INFERENCE, **kwargs) -> Dict[str, int]:
     """Kernelize a transformers model (after ``.to(device)``); returns the number of
     modules each layer replaced. Hooked ``apply_rotary_pos_emb`` functions whose math is not
-    the Llama rotation this layer computes are put back to stock (see `ApplyRotaryPosEmb`)."""
+    the Llama rotation this layer computes are put back to stock (see `ApplyRotaryPosEmb`).
+
+    With ``Mode.TORCH_COMPILE`` in ``mode`` the model stays stock and the result is ``{}``:
+    under torch.compile these layers run the host's code anyway (inductor fuses it with its
+    neighbours, see the layers' ``_inductor_fuses_it``), and the per-module forwards
+    kernelize installs would only add dynamo guards (about 0.2-0.5 ms per call of a
+    36-layer model)."""
     device = _check_ready(model, device, "model")
+    if Mode.TORCH_COMPILE in mode:
+        _tag(TRANSFORMERS_TAGGED)
+        if not any(type(m).kernel_layer_name in TRANSFORMERS_LAYERS for m in _hooked(model)):
+            raise ValueError(f"{type(model).__name__} has no module ltx-kernels replaces (hooks it maps: "
+                             f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm)")
+        return {}
     _relink_copied_functions(model)
     with use_kernel_mapping(transformers_mapping(repo, **kwargs), inherit_mapping=False), _quiet_unmapped_hooks():
         kernelize(model, mode=mode, device=device)

@@ -8,8 +8,9 @@ Workloads (random weights, models built from their configs, bf16):
   computes them) and one decode step on a 4096-token KV cache.
 
 Configurations: eager; eager + kernels (`ltx_kernels_integration.kernelize_*`); compile
-(`torch.compile(model, fullgraph=True)`); compile + kernels (kernelized for inference, then
-compiled). A configuration that fails (e.g. a graph break under fullgraph) is reported with
+(`torch.compile(model, fullgraph=True)`); compile + kernels (kernelized with
+Mode.INFERENCE | Mode.TORCH_COMPILE, then compiled; a transformers model stays stock there,
+see the README). A configuration that fails (e.g. a graph break under fullgraph) is reported with
 its error rather than stopping the run.
 
 Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
@@ -38,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
 
-from ltx_kernels_integration import kernelize_diffusers, kernelize_transformers, unkernelize  # noqa: E402
+from ltx_kernels_integration import Mode, kernelize_diffusers, kernelize_transformers, unkernelize  # noqa: E402
 
 CONFIGS = ("eager", "eager+kernels", "compile", "compile+kernels")
 DTYPE = torch.bfloat16
@@ -147,7 +148,9 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
     for config in configs:
         unkernelize(model)
         torch._dynamo.reset()  # each configuration compiles its own graphs
-        replaced = kernelize(model) if config.endswith("+kernels") else {}
+        # Compiled configurations kernelize as kernels asks for torch.compile (Mode.TORCH_COMPILE).
+        mode = Mode.INFERENCE | Mode.TORCH_COMPILE if config.startswith("compile") else Mode.INFERENCE
+        replaced = kernelize(model, mode=mode) if config.endswith("+kernels") else {}
         runner = torch.compile(model, dynamic=False, **compile_options) if config.startswith("compile") else model
         for workload in workloads:
             result = Result(workload.name, config, replaced=replaced)

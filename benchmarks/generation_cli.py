@@ -13,6 +13,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIGS = ("baseline", "kernels", "compile", "compile+kernels")
 
 
+def kernelize_mode(config: str):
+    """kernels' mode for a configuration's kernelize call: compiled ones say so, as kernels
+    asks (kernelize_transformers then leaves the model to inductor)."""
+    from kernels import Mode
+
+    return Mode.INFERENCE | Mode.TORCH_COMPILE if config.startswith("compile") else Mode.INFERENCE
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

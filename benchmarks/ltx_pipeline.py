@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
 sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
 
-from generation_cli import DTYPES, add_common_arguments, device_name, finish, selected_configs, synchronize  # noqa: E402
+from generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,  # noqa: E402
+                            selected_configs, synchronize)
 from ltx_kernels_integration import kernelize_diffusers, unkernelize  # noqa: E402
 
 DEFAULT_MODEL = "Lightricks/LTX-Video"
@@ -160,7 +161,7 @@ def configure(pipe, transformer, config, args) -> Dict[str, int]:
     pipe.to(args.device)
     unkernelize(transformer)
     torch._dynamo.reset()  # each configuration compiles its own graphs
-    replaced = kernelize_diffusers(pipe) if config.endswith("kernels") else {}
+    replaced = kernelize_diffusers(pipe, mode=kernelize_mode(config)) if config.endswith("kernels") else {}
     if config.startswith("compile"):
         pipe.transformer = torch.compile(transformer, fullgraph=True, backend=args.compile_backend)
     if args.cpu_offload:

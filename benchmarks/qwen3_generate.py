@@ -10,7 +10,8 @@ token ids of exactly --prompt-tokens (the same for every configuration).
 
 Configurations: baseline, kernels (`kernelize_transformers` after the model is on its
 device), compile (`torch.compile(model.forward, fullgraph=True)`, with a static KV cache so
-that decode steps keep one shape), compile+kernels (kernelized, then compiled). Eager runs use
+that decode steps keep one shape), compile+kernels (kernelized with Mode.TORCH_COMPILE, which
+leaves a transformers model to inductor: see the README, then compiled). Eager runs use
 transformers' default dynamic cache.
 
 Timing: one `generate(max_new_tokens=N, do_sample=False)` after --warmup-iterations untimed
@@ -35,7 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
 sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
 
-from generation_cli import DTYPES, add_common_arguments, device_name, finish, selected_configs, synchronize  # noqa: E402
+from generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,  # noqa: E402
+                            selected_configs, synchronize)
 from ltx_kernels_integration import kernelize_transformers, unkernelize  # noqa: E402
 
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
@@ -114,7 +116,7 @@ def configure(model, config, args) -> Dict[str, int]:
     vars(model).pop("forward", None)  # the previous configuration's compiled forward
     unkernelize(model)
     torch._dynamo.reset()  # each configuration compiles its own graphs
-    replaced = kernelize_transformers(model) if config.endswith("kernels") else {}
+    replaced = kernelize_transformers(model, mode=kernelize_mode(config)) if config.endswith("kernels") else {}
     if config.startswith("compile"):
         model.forward = torch.compile(model.forward, fullgraph=True, backend=args.compile_backend)
     return replaced

@@ -32,7 +32,10 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
     assert len(workloads) == 3 and len(results) == 3 * len(bench.CONFIGS)
     for r in results:
         assert r["error"] is None and r["ms"] > 0, r
-        if r["config"].endswith("+kernels"):
+        if r["config"] == "compile+kernels" and r["workload"].startswith("Qwen3"):
+            # transformers models stay stock under Mode.TORCH_COMPILE (kernelize_transformers)
+            assert r["replaced"] == {} and r["max_abs_diff"] < 5e-2, r
+        elif r["config"].endswith("+kernels"):
             assert r["replaced"] and r["max_abs_diff"] < 5e-2, r
         else:
             assert r["replaced"] == {} and r["max_abs_diff"] == 0.0, r

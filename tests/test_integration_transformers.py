@@ -187,8 +187,10 @@ def test_refuses_a_model_with_nothing_to_replace(models_to_restore):
         lki.kernelize_transformers(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     model = small_model("llama", "cpu", torch.float32)
     models_to_restore.append(model)
-    # Every layer has a backward and compiles: training and compile modes replace as much.
-    assert lki.kernelize_transformers(model, mode=lki.Mode.TRAINING | lki.Mode.TORCH_COMPILE) == FAMILIES["llama"][2]
+    # Every layer has a backward: training mode replaces as much.
+    assert lki.kernelize_transformers(model, mode=lki.Mode.TRAINING) == FAMILIES["llama"][2]
+    with pytest.raises(ValueError, match="no module ltx-kernels replaces"):
+        lki.kernelize_transformers(torch.nn.Sequential(torch.nn.Linear(4, 4)), mode=lki.Mode.TORCH_COMPILE)
     with pytest.raises(TypeError, match="not a torch.nn.Module"):
         lki.kernelize_transformers("meta-llama/Llama-3.2-1B")
 
@@ -215,3 +217,14 @@ def test_compiled_models_leave_the_layers_work_to_inductor(models_to_restore):
     assert traced and not [op for op in traced if "_ltx_kernels" in op]
     assert eager.names == {"rms_norm", "rope"}
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma"])
+def test_compile_mode_leaves_the_model_stock(family, models_to_restore):
+    """Under Mode.TORCH_COMPILE kernelize_transformers installs nothing: no per-module
+    forward for dynamo to guard, and torch.compile sees the stock model."""
+    model = small_model(family, "cpu", torch.float32)
+    models_to_restore.append(model)
+    assert lki.kernelize_transformers(model, mode=lki.Mode.INFERENCE | lki.Mode.TORCH_COMPILE) == {}
+    assert lki.replaced_modules(model) == {}
+    assert not [m for m in lki._hooked(model) if "forward" in vars(m)]

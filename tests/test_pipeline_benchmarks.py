@@ -65,7 +65,8 @@ def test_qwen3_generate_tiny_all(tmp_path):
         assert run["error"] is None, config
         assert run["prefill_ms"] > 0 and run["decode_s"] > 0 and run["decode_tokens_per_s"] > 0
         assert run["peak_memory_gib"] is None  # GPU only
-        assert bool(run["replaced"]) == config.endswith("kernels"), config
+        # transformers models stay stock under Mode.TORCH_COMPILE (kernelize_transformers)
+        assert bool(run["replaced"]) == (config == "kernels"), config
         # greedy argmax over 256 logits of a random model: the same tokens, at least nearly all
         assert run["total_tokens"] == 8 and run["matching_tokens"] >= 6, config
     assert runs["kernels"]["replaced"]["RMSNorm"] == 2 * 4 + 1  # per layer: 2 + q/k norms; final norm
