@@ -62,6 +62,9 @@ class Run:
     matching_tokens: Optional[int] = None  # new tokens equal to the baseline's, same position
     total_tokens: Optional[int] = None
     first_mismatch: Optional[int] = None  # position of the first differing new token (any row)
+    # The reference's gap between its top two logits there (smallest over the rows that
+    # differ): a near-tie that any rounding difference flips, as random weights make them.
+    reference_margin_at_mismatch: Optional[float] = None
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
 
@@ -85,15 +88,18 @@ def load_model(args, dtype):
 
 def generate(model, prompt, new_tokens: int, cache_len: Optional[int], device: str):
     """One greedy generation of exactly ``new_tokens``, with a static KV cache of
-    ``cache_len`` tokens when given: (new token ids, prefill s, decode s). The clock reads at
-    each token's logits: the first after the prompt's forward, the last after the last step."""
+    ``cache_len`` tokens when given: (new token ids, prefill s, decode s, each step's gap
+    between its top two logits [batch, new_tokens]). The clock reads at each token's
+    logits: the first after the prompt's forward, the last after the last step."""
     from transformers import LogitsProcessorList, StaticCache
 
-    token_times = []
+    token_times, margins = [], []
 
     def clock(input_ids, scores):  # a logits processor: runs outside the (compiled) forward
         synchronize(device)
         token_times.append(time.perf_counter())
+        top2 = scores.float().topk(2, dim=-1).values
+        margins.append(top2[:, 0] - top2[:, 1])
         return scores
 
     kwargs = {}
@@ -107,7 +113,8 @@ def generate(model, prompt, new_tokens: int, cache_len: Optional[int], device: s
                                 min_new_tokens=new_tokens, do_sample=False, disable_compile=True,
                                 logits_processor=LogitsProcessorList([clock]),
                                 pad_token_id=model.config.eos_token_id or 0, **kwargs)
-    return output[:, prompt.shape[1]:], token_times[0] - start, token_times[-1] - token_times[0]
+    return (output[:, prompt.shape[1]:], token_times[0] - start, token_times[-1] - token_times[0],
+            torch.stack(margins, 1).cpu())
 
 
 def configure(model, config, args) -> Dict[str, int]:
@@ -123,7 +130,7 @@ def configure(model, config, args) -> Dict[str, int]:
 
 
 def benchmark(model, prompt, args, configs) -> List[Run]:
-    runs, baseline_tokens = [], None
+    runs, baseline_tokens, baseline_margins = [], None, None
     cache_len = prompt.shape[1] + args.new_tokens
     for config in configs:
         run = Run(config)
@@ -135,7 +142,7 @@ def benchmark(model, prompt, args, configs) -> List[Run]:
                 generate(model, prompt, args.new_tokens, static, args.device)
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            tokens, prefill_s, decode_s = generate(model, prompt, args.new_tokens, static, args.device)
+            tokens, prefill_s, decode_s, margins = generate(model, prompt, args.new_tokens, static, args.device)
         except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
             run.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             print(f"{config}: {run.error}", flush=True)
@@ -147,11 +154,14 @@ def benchmark(model, prompt, args, configs) -> List[Run]:
         run.decode_s = decode_s
         run.decode_tokens_per_s = args.batch_size * (args.new_tokens - 1) / decode_s
         if baseline_tokens is None:  # the first configuration that ran is the reference
-            baseline_tokens = tokens
+            baseline_tokens, baseline_margins = tokens, margins
         matches = tokens == baseline_tokens
         run.matching_tokens, run.total_tokens = int(matches.sum()), matches.numel()
         mismatched = (~matches).any(0).nonzero()
-        run.first_mismatch = int(mismatched[0]) if len(mismatched) else None
+        if len(mismatched):
+            run.first_mismatch = int(mismatched[0])
+            rows = ~matches[:, run.first_mismatch].cpu()
+            run.reference_margin_at_mismatch = float(baseline_margins[rows, run.first_mismatch].min())
         print(f"   prefill {run.prefill_ms:.1f} ms, decode {run.decode_tokens_per_s:.1f} tokens/s, "
               f"{run.matching_tokens}/{run.total_tokens} tokens as the reference", flush=True)
         runs.append(run)
@@ -167,14 +177,17 @@ def benchmark(model, prompt, args, configs) -> List[Run]:
 
 def table(runs: List[Run]) -> str:
     lines = ["| configuration | prefill (ms) | decode (tokens/s) | peak memory (GiB) | speedup (prefill) | "
-             "speedup (decode) | tokens as baseline |", "|---|---|---|---|---|---|---|"]
+             "speedup (decode) | tokens as baseline | baseline's top-2 logit gap at the first difference |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r.error:
-            lines.append(f"| {r.config} | failed: {r.error[:80]} |" + " - |" * 5)
+            lines.append(f"| {r.config} | failed: {r.error[:80]} |" + " - |" * 6)
             continue
         memory = f"{r.peak_memory_gib:.2f}" if r.peak_memory_gib is not None else "-"
+        gap = f"{r.reference_margin_at_mismatch:.3g}" if r.reference_margin_at_mismatch is not None else "-"
         lines.append(f"| {r.config} | {r.prefill_ms:.1f} | {r.decode_tokens_per_s:.1f} | {memory} | "
-                     f"{r.speedup_prefill:.2f}x | {r.speedup_decode:.2f}x | {r.matching_tokens}/{r.total_tokens} |")
+                     f"{r.speedup_prefill:.2f}x | {r.speedup_decode:.2f}x | {r.matching_tokens}/{r.total_tokens} | "
+                     f"{gap} |")
     return "\n".join(lines)
 
 

@@ -69,4 +69,22 @@ def test_qwen3_generate_tiny_all(tmp_path):
         assert bool(run["replaced"]) == (config == "kernels"), config
         # greedy argmax over 256 logits of a random model: the same tokens, at least nearly all
         assert run["total_tokens"] == 8 and run["matching_tokens"] >= 6, config
+        # where a run first differs, the gap between the baseline's top two logits there
+        assert (run["reference_margin_at_mismatch"] is None) == (run["first_mismatch"] is None), config
+        assert run["reference_margin_at_mismatch"] is None or run["reference_margin_at_mismatch"] >= 0, config
     assert runs["kernels"]["replaced"]["RMSNorm"] == 2 * 4 + 1  # per layer: 2 + q/k norms; final norm
+
+
+def test_qwen3_generate_records_each_steps_top2_logit_gap():
+    import torch
+
+    script = load_script("qwen3_generate")
+    args = script.parse_args(["--tiny", "--device", "cpu"])
+    model, _ = script.load_model(args, torch.float32)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    tokens, _, _, gaps = script.generate(model, prompt, 4, None, "cpu")
+    assert tokens.shape == gaps.shape == (2, 4)
+    with torch.no_grad():
+        top2 = model(prompt).logits[:, -1].topk(2, dim=-1).values
+    torch.testing.assert_close(gaps[:, 0], top2[:, 0] - top2[:, 1])
+    assert (gaps >= 0).all()
