@@ -138,17 +138,17 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
     modules each layer replaced. Hooked ``apply_rotary_pos_emb`` functions whose math is not
     the Llama rotation this layer computes are put back to stock (see `ApplyRotaryPosEmb`).
 
-    With ``Mode.TORCH_COMPILE`` in ``mode`` the model stays stock and the result is ``{}``:
-    under torch.compile these layers run the host's code anyway (inductor fuses it with its
-    neighbours, see the layers' ``_inductor_fuses_it``), and the per-module forwards
-    kernelize installs would only add dynamo guards (about 0.2-0.5 ms per call of a
-    36-layer model)."""
+    With ``Mode.TORCH_COMPILE`` in ``mode`` the model is put back to stock (`unkernelize`)
+    and the result is ``{}``; ``repo`` and ``kwargs`` are then unused. Under torch.compile
+    these layers run the host's code anyway (inductor fuses it with its neighbours, see the
+    layers' ``_under_torch_compile``), and the per-module forwards kernelize installs would
+    only add dynamo guards (about 0.2-0.5 ms per call of a 36-layer model)."""
     device = _check_ready(model, device, "model")
     if Mode.TORCH_COMPILE in mode:
         _tag(TRANSFORMERS_TAGGED)
         if not any(type(m).kernel_layer_name in TRANSFORMERS_LAYERS for m in _hooked(model)):
-            raise ValueError(f"{type(model).__name__} has no module ltx-kernels replaces (hooks it maps: "
-                             f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm)")
+            raise _nothing_to_replace(model)
+        unkernelize(model)
         return {}
     _relink_copied_functions(model)
     with use_kernel_mapping(transformers_mapping(repo, **kwargs), inherit_mapping=False), _quiet_unmapped_hooks():
@@ -157,8 +157,7 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
     counts = replaced_modules(model, TRANSFORMERS_LAYERS.values())
     if not counts:
         unkernelize(model)
-        raise ValueError(f"{type(model).__name__} has no module ltx-kernels replaces (hooks it maps: "
-                         f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm){_mode_note(mode)}")
+        raise _nothing_to_replace(model, _mode_note(mode))
     return counts
 
 
@@ -208,6 +207,11 @@ def unkernelize(model: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+
+
+def _nothing_to_replace(model: torch.nn.Module, note: str = "") -> ValueError:
+    return ValueError(f"{type(model).__name__} has no module ltx-kernels replaces (hooks it maps: "
+                      f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm){note}")
 
 
 def _mode_note(mode: Mode) -> str:

@@ -75,7 +75,8 @@ void launch(const ActivationArgs& a, cudaStream_t stream) {
   while (threads_x < kBlock && threads_x < p.vecs_per_row) threads_x *= 2;
   const dim3 block(threads_x, kBlock / threads_x);
   const int64_t row_groups = (a.rows + block.y - 1) / block.y;
-  const dim3 grid((p.vecs_per_row + threads_x - 1) / threads_x, static_cast<unsigned>(std::min<int64_t>(row_groups, 65535)));
+  const dim3 grid(static_cast<unsigned>((static_cast<int64_t>(p.vecs_per_row) + threads_x - 1) / threads_x),
+                  static_cast<unsigned>(std::min<int64_t>(row_groups, 65535)));
   if (vector) {
     activation_kernel<T, V, GELU, HAS_UP, BACKWARD><<<grid, block, 0, stream>>>(p);
   } else {

@@ -45,13 +45,15 @@ LTX_HOST_DEVICE float gelu_erf_grad(float x) {
   return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
 }
 
-// d/dx x * s(x), s = sigmoid(2u): s + x * 2 u' * s * (1 - s).
+// d/dx x * s(x), s = sigmoid(2u): s + x * 2 u' * s * (1 - s). The factor s * (1 - s),
+// exactly 0 for |x| past ~10, comes before u' (inf once x * x overflows), so that the
+// result is 0 or 1 there as PyTorch's is, not inf * 0.
 LTX_HOST_DEVICE float gelu_tanh_grad(float x) {
   constexpr float kSqrt2OverPi = 0.79788456080286536f;
   constexpr float kCoeff = 0.044715f;
   const float s = sigmoid(2.f * gelu_tanh_arg(x));
   const float du = kSqrt2OverPi * (1.f + 3.f * kCoeff * x * x);
-  return s + 2.f * x * du * s * (1.f - s);
+  return s + 2.f * x * s * (1.f - s) * du;
 }
 
 }  // namespace ltx

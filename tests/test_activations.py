@@ -86,6 +86,20 @@ def test_nan_and_inf_propagate(kernel, device, approximate):
     torch.testing.assert_close(y[0, 4:].double(), gelu64(x[0, 4:], approximate))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("approximate", APPROX)
+def test_grad_far_out_matches_pytorch(kernel, device, dtype, approximate):
+    """Far from 0 gelu's grad is 0 (negative) or 1 (positive), as PyTorch's fp32 backward
+    gives, up to |x| ~ 1.8e19 where x * x overflows fp32 and both become NaN."""
+    x = torch.tensor([-1e19, -1.3e13, -40.0, -3.0, 3.0, 40.0, 1.3e13, 1e19], device=device).to(dtype)
+    ours = x.clone().requires_grad_()
+    kernel.gelu(ours, approximate).backward(torch.ones_like(ours))
+    host = x.clone().requires_grad_()
+    F.gelu(host, approximate=approximate).backward(torch.ones_like(host))
+    assert not host.grad.isnan().any()
+    assert_close(ours.grad, host.grad.double(), dtype, roundings=2)
+
+
 def _bad_calls(k, device):
     x = torch.randn(4, 64, device=device, dtype=torch.float16)
     return {

@@ -197,7 +197,7 @@ def test_refuses_a_model_with_nothing_to_replace(models_to_restore):
 
 def test_compiled_models_leave_the_layers_work_to_inductor(models_to_restore):
     """Under torch.compile the transformers layers trace the host's code, which inductor
-    fuses with its neighbours (see layers._inductor_fuses_it); eager calls run the kernels."""
+    fuses with its neighbours (see layers._under_torch_compile); eager calls run the kernels."""
     model = small_model("qwen3", "cpu", torch.float32)
     models_to_restore.append(model)
     lki.kernelize_transformers(model)
@@ -225,6 +225,7 @@ def test_compile_mode_leaves_the_model_stock(family, models_to_restore):
     forward for dynamo to guard, and torch.compile sees the stock model."""
     model = small_model(family, "cpu", torch.float32)
     models_to_restore.append(model)
+    assert lki.kernelize_transformers(model)  # kernelized for eager first: compile mode undoes it
     assert lki.kernelize_transformers(model, mode=lki.Mode.INFERENCE | lki.Mode.TORCH_COMPILE) == {}
     assert lki.replaced_modules(model) == {}
     assert not [m for m in lki._hooked(model) if "forward" in vars(m)]

@@ -1,7 +1,8 @@
 // Autograd for the functional ops, as C++ kernels on the Autograd dispatch key. A call
-// that needs no grad goes straight on to the CPU / CUDA kernel (what Python's
-// torch.library.register_autograd layer did for 5-8 us a call); a call that does records
-// a node whose backward calls the backward ops. torch.compile traces through these too.
+// that needs no grad (grad mode off, or no input that requires grad) goes straight on to
+// the CPU / CUDA kernel: torch::autograd::Function::apply would still build a node and
+// save the inputs. A call that needs grad records a node whose backward calls the
+// backward ops. torch.compile traces through these too.
 #include <ATen/ops/mul.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -11,6 +12,7 @@
 
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -269,49 +271,75 @@ struct Geglu : torch::autograd::Function<Geglu> {
   }
 };
 
-Tensors2 pair(const variable_list& v) { return {v[0], v[1]}; }
+bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const optional<Tensor>& t) { return t.has_value() && requires_grad(*t); }
+template <class NonTensor>
+bool requires_grad(const NonTensor&) {
+  return false;
+}
+
+// The op below the Autograd key when the call needs no grad, else Node::apply (outputs of
+// two-tensor ops come back as a tuple, as the schema has them).
+template <class Node, class Op, class... Args>
+auto autograd_call(const Op& op, const Args&... args) -> decltype(op.call(args...)) {
+  if (!at::GradMode::is_enabled() || !(requires_grad(args) || ...)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(args...);
+  }
+  auto outputs = Node::apply(args...);
+  if constexpr (std::is_same_v<decltype(outputs), Tensor>) {
+    return outputs;
+  } else {
+    return {outputs[0], outputs[1]};
+  }
+}
 
 // The Autograd-key kernels, with the ops' schema signatures.
 Tensor rms_norm(const Tensor& input, const optional<Tensor>& weight, double eps, double weight_offset,
                 bool cast_before_weight, optional<at::ScalarType> out_dtype) {
-  return RmsNorm::apply(input, weight, eps, weight_offset, cast_before_weight, out_dtype);
+  return autograd_call<RmsNorm>(rms_norm_op(), input, weight, eps, weight_offset, cast_before_weight, out_dtype);
 }
 
 Tensors2 fused_add_rms_norm(const Tensor& input, const Tensor& residual, const optional<Tensor>& weight, double eps,
                             double weight_offset, bool cast_before_weight) {
-  return pair(FusedAddRmsNorm::apply(input, residual, weight, eps, weight_offset, cast_before_weight));
+  return autograd_call<FusedAddRmsNorm>(fused_add_rms_norm_op(), input, residual, weight, eps, weight_offset,
+                                        cast_before_weight);
 }
 
 Tensor adaln(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps, c10::string_view norm) {
-  return Adaln::apply(input, scale, shift, eps, norm);
+  return autograd_call<Adaln>(adaln_op(), input, scale, shift, eps, norm);
 }
 
 Tensor gated_residual(const Tensor& residual, const Tensor& input, const Tensor& gate) {
-  return GatedResidual::apply(residual, input, gate);
+  return autograd_call<GatedResidual>(gated_residual_op(), residual, input, gate);
 }
 
 Tensors2 gated_residual_adaln(const Tensor& residual, const Tensor& input, const Tensor& gate, const Tensor& scale,
                               const Tensor& shift, double eps, c10::string_view norm) {
-  return pair(GatedResidualAdaln::apply(residual, input, gate, scale, shift, eps, norm));
+  return autograd_call<GatedResidualAdaln>(gated_residual_adaln_op(), residual, input, gate, scale, shift, eps, norm);
 }
 
 Tensors2 rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin, bool interleaved,
               int64_t sequence_dim) {
-  return pair(Rope::apply(q, k, cos, sin, interleaved, sequence_dim));
+  return autograd_call<Rope>(rope_op(), q, k, cos, sin, interleaved, sequence_dim);
 }
 
 Tensors2 qk_norm_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight, const Tensor& k_weight,
                       const Tensor& cos, const Tensor& sin, double eps) {
-  return pair(QkNormRope::apply(q, k, q_weight, k_weight, cos, sin, eps));
+  return autograd_call<QkNormRope>(qk_norm_rope_op(), q, k, q_weight, k_weight, cos, sin, eps);
 }
 
-Tensor gelu(const Tensor& input, c10::string_view approximate) { return Gelu::apply(input, approximate); }
+Tensor gelu(const Tensor& input, c10::string_view approximate) {
+  return autograd_call<Gelu>(gelu_op(), input, approximate);
+}
 
 Tensor gelu_mul(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
-  return GeluMul::apply(gate, up, approximate);
+  return autograd_call<GeluMul>(gelu_mul_op(), gate, up, approximate);
 }
 
-Tensor geglu(const Tensor& input, c10::string_view approximate) { return Geglu::apply(input, approximate); }
+Tensor geglu(const Tensor& input, c10::string_view approximate) {
+  return autograd_call<Geglu>(geglu_op(), input, approximate);
+}
 
 }  // namespace
 

@@ -9,7 +9,7 @@ layer's forward to the instance and leaves the class's forward as it was.
 
 The transformers layers match the hooks transformers declares (``"RMSNorm"``,
 ``"RMSNormZeroCentered"``, ``"GeluTanh"``, ``"rotary_pos_emb"``), and under torch.compile
-leave their work to inductor (see `_inductor_fuses_it`); the diffusers layers are for
+leave their work to inductor (see `_under_torch_compile`); the diffusers layers are for
 classes tagged with ``kernels.replace_kernel_forward_from_hub`` (see the README).
 """
 
@@ -44,9 +44,9 @@ def _rows(x: torch.Tensor) -> bool:
     return all(stride == inner_size * inner_stride for (_, stride), (inner_size, inner_stride) in zip(outer, outer[1:]))
 
 
-def _inductor_fuses_it() -> bool:
-    """True while torch.compile traces: the transformers layers then run the host's code.
-    Inductor fuses a norm, a rotation or a GELU with the residual add, casts and reshapes
+def _under_torch_compile() -> bool:
+    """True while torch.compile traces (any backend): the transformers layers then run the
+    host's code. Inductor fuses a norm, a rotation or a GELU with the residual add, casts and reshapes
     around it into one kernel, which a custom op splits; a Qwen3-8B decode step is
     launch-bound, and with our ops compiled in it ran at 36 tokens/s against compile's 60
     (H200). The diffusers layers fuse more than inductor does (a whole LTX block prologue)
@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not _rows(hidden_states) or _inductor_fuses_it():
+        if not _rows(hidden_states) or _under_torch_compile():
             return type(self).forward(self, hidden_states)
         weight = self.weight
         if hidden_states.dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16):
@@ -93,7 +93,7 @@ class RMSNormZeroCentered(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _rows(x) or _inductor_fuses_it():
+        if not _rows(x) or _under_torch_compile():
             return type(self).forward(self, x)
         weight = self.weight
         if weight.dtype not in (x.dtype, torch.float32):
@@ -108,7 +108,7 @@ class GeluTanh(nn.Module):
     can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _rows(input) or _inductor_fuses_it():
+        if not _rows(input) or _under_torch_compile():
             return type(self).forward(self, input)
         return gelu(input, "tanh")
 
@@ -130,7 +130,7 @@ class ApplyRotaryPosEmb(nn.Module):
     can_torch_compile = True
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        if not _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) or _inductor_fuses_it():
+        if not _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) or _under_torch_compile():
             return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
         # unsqueeze_dim is where the heads are: [B, H, S, D] (1) or [B, S, H, D] (2).
         return rope_rotate_half(q, k, cos, sin, sequence_dim=3 - unsqueeze_dim)
