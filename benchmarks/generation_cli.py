@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import List
+from typing import Callable, List, Sequence
 
 import torch
 
@@ -19,6 +19,16 @@ def kernelize_mode(config: str):
     from kernels import Mode
 
     return Mode.INFERENCE | Mode.TORCH_COMPILE if config.startswith("compile") else Mode.INFERENCE
+
+
+def markdown_table(columns: Sequence[str], runs, cells: Callable[[object], List[str]]) -> str:
+    """One row per run: its configuration, then ``cells(run)``, or "failed: ..." for a run
+    that has an error."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for run in runs:
+        row = [f"failed: {run.error[:80]}"] + ["-"] * (len(columns) - 2) if run.error else cells(run)
+        lines.append("| " + " | ".join([run.config, *row]) + " |")
+    return "\n".join(lines)
 
 
 def synchronize(device: str) -> None:

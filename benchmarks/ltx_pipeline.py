@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
 sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
 
 from generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,  # noqa: E402
-                            selected_configs, synchronize)
+                            markdown_table, selected_configs, synchronize)
 from ltx_kernels_integration import kernelize_diffusers, unkernelize  # noqa: E402
 
 DEFAULT_MODEL = "Lightricks/LTX-Video"
@@ -204,18 +204,14 @@ def benchmark(pipe, args, embeddings, configs) -> List[Run]:
 
 
 def table(runs: List[Run]) -> str:
-    lines = ["| configuration | denoise (s) | it/s | median step (ms) | VAE decode (s) | total (s) | speedup "
-             "(denoise) | speedup (total) | latents max / mean abs diff |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        if r.error:
-            lines.append(f"| {r.config} | failed: {r.error[:80]} |" + " - |" * 7)
-            continue
+    def cells(r: Run) -> List[str]:
         median_step = sorted(r.step_ms)[len(r.step_ms) // 2]
-        lines.append(f"| {r.config} | {r.denoise_s:.3f} | {r.it_per_s:.2f} | {median_step:.1f} | {r.decode_s:.3f} | "
-                     f"{r.total_s:.3f} | {r.speedup_denoise:.2f}x | {r.speedup_total:.2f}x | "
-                     f"{r.latents_max_abs_diff:.2e} / {r.latents_mean_abs_diff:.2e} |")
-    return "\n".join(lines)
+        return [f"{r.denoise_s:.3f}", f"{r.it_per_s:.2f}", f"{median_step:.1f}", f"{r.decode_s:.3f}",
+                f"{r.total_s:.3f}", f"{r.speedup_denoise:.2f}x", f"{r.speedup_total:.2f}x",
+                f"{r.latents_max_abs_diff:.2e} / {r.latents_mean_abs_diff:.2e}"]
+
+    return markdown_table(["configuration", "denoise (s)", "it/s", "median step (ms)", "VAE decode (s)", "total (s)",
+                           "speedup (denoise)", "speedup (total)", "latents max / mean abs diff"], runs, cells)
 
 
 def parse_args(argv=None):

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
 sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
 
 from generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,  # noqa: E402
-                            selected_configs, synchronize)
+                            markdown_table, selected_configs, synchronize)
 from ltx_kernels_integration import kernelize_transformers, unkernelize  # noqa: E402
 
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
@@ -176,19 +176,15 @@ def benchmark(model, prompt, args, configs) -> List[Run]:
 
 
 def table(runs: List[Run]) -> str:
-    lines = ["| configuration | prefill (ms) | decode (tokens/s) | peak memory (GiB) | speedup (prefill) | "
-             "speedup (decode) | tokens as baseline | baseline's top-2 logit gap at the first difference |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        if r.error:
-            lines.append(f"| {r.config} | failed: {r.error[:80]} |" + " - |" * 6)
-            continue
+    def cells(r: Run) -> List[str]:
         memory = f"{r.peak_memory_gib:.2f}" if r.peak_memory_gib is not None else "-"
         gap = f"{r.reference_margin_at_mismatch:.3g}" if r.reference_margin_at_mismatch is not None else "-"
-        lines.append(f"| {r.config} | {r.prefill_ms:.1f} | {r.decode_tokens_per_s:.1f} | {memory} | "
-                     f"{r.speedup_prefill:.2f}x | {r.speedup_decode:.2f}x | {r.matching_tokens}/{r.total_tokens} | "
-                     f"{gap} |")
-    return "\n".join(lines)
+        return [f"{r.prefill_ms:.1f}", f"{r.decode_tokens_per_s:.1f}", memory, f"{r.speedup_prefill:.2f}x",
+                f"{r.speedup_decode:.2f}x", f"{r.matching_tokens}/{r.total_tokens}", gap]
+
+    return markdown_table(["configuration", "prefill (ms)", "decode (tokens/s)", "peak memory (GiB)",
+                           "speedup (prefill)", "speedup (decode)", "tokens as baseline",
+                           "baseline's top-2 logit gap at the first difference"], runs, cells)
 
 
 def parse_args(argv=None):
