@@ -10,7 +10,13 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
 
 namespace ltx {
 
@@ -32,6 +38,32 @@ __device__ __forceinline__ float to_float(T v) {
 template <typename T>
 __device__ __forceinline__ T from_float(float v) {
   return static_cast<T>(v);
+}
+
+// The N elements of v in fp32. bf16 pairs unpack with one integer op per element (a shift
+// and a mask), where element-wise conversion takes one and a half.
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && N % 2 == 0) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(v.v);
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      out[2 * j] = __uint_as_float(pairs[j] << 16);
+      out[2 * j + 1] = __uint_as_float(pairs[j] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = to_float(v.v[j]);
+  }
+}
+
+// N floats rounded to T (round to nearest even), as one vector.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> from_floats(const float (&in)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(in[j]);
+  return v;
 }
 
 template <typename T, int N>
@@ -112,5 +144,32 @@ inline RowLaunch row_launch(int64_t vecs_per_row, int per_thread, int max_thread
 }
 
 inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
+
+// Launch-shape queries, each made once per device (and kernel, block, shared size): a
+// launch path that asks the driver on every call adds host time to every op call.
+inline int sm_count(int device) {
+  static std::array<std::atomic<int>, 64> cache{};
+  TORCH_CHECK(device >= 0 && device < static_cast<int>(cache.size()), "CUDA device index ", device, " out of range");
+  int count = cache[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    cache[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
+// Resident blocks per SM of `kernel` on the current device, which must be `device`.
+inline int max_blocks_per_sm(const void* kernel, int device, int block, std::size_t shared) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int, std::size_t>, int> cache;
+  const auto key = std::make_tuple(kernel, device, block, shared);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block, shared));
+  cache.emplace(key, blocks);
+  return blocks;
+}
 
 }  // namespace ltx

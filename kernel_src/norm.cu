@@ -200,9 +200,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   // Fewer rows than two per SM (decode-size batches) are latency-bound: one vector per
   // thread spreads each row over more threads (128x4096 bf16: 3.3 us where four vectors
   // per thread took 4.3 us on the H200; large batches want four: 36 us against 70 us).
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device.index()));
-  const int per_thread = a.rows < 2 * static_cast<int64_t>(sms) ? 1 : kCachedVecs;
+  const int per_thread = a.rows < 2 * static_cast<int64_t>(sm_count(a.device.index())) ? 1 : kCachedVecs;
   const RowLaunch cfg = row_launch(a.cols / vec, per_thread, max_block(RESIDUAL, MODULATE));
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
@@ -217,7 +215,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 
 
 // ---------------------------------------------------------------------------------------
-// Backward (see NormBackwardArgs). A block owns a column slice of bwd_vecs(VEC) vectors per
+// Backward (see NormBackwardArgs). A block owns a column slice of bwd_vecs vectors per
 // thread and walks a fixed set of rows of one group, keeping its slice of x and dy in
 // registers and adding its slice of the column grads into fp32 shared memory (each thread
 // its own slots: no atomics, no races); it then writes one partial row per column grad,
@@ -225,13 +223,19 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 // blockIdx.x: each block still reads the whole row for the row statistics (the other
 // slices' reads mostly hit L2).
 //
-// Bytes in flight come from loads per thread: 32 elements of x and of dy per thread (8
-// loads of 16 bytes; 128-thread rows at D = 4096 in 16 bits, four blocks per SM). One
-// 16-byte vector per thread on 512-thread rows (84 registers, one block per SM), even
-// with the next row prefetched, took 1.5x as long on the H200.
-__host__ __device__ constexpr int bwd_vecs(int vec) { return vec == 1 ? 8 : 32 / vec; }
+// Bytes in flight come from loads per thread: four 16-byte vectors of x and of dy per
+// thread (32 elements in 16 bits: 128-thread rows at D = 4096, four blocks per SM; 16 in
+// fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes. More would
+// spill beside the fp32 factor. One 16-byte vector per thread on 512-thread rows (84
+// registers, one block per SM), even with the next row prefetched, took 1.5x as long on
+// the H200.
+__host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes) {
+  return vec == 1 ? 8 : vec * grad_bytes > 16 ? 2 : 4;
+}
 // Shared-memory floats per thread and column grad: its elements and 16 bytes of padding.
-__host__ __device__ constexpr int bwd_slot_stride(int vec) { return bwd_vecs(vec) * vec + 4; }
+__host__ __device__ constexpr int bwd_slot_stride(int vec, int grad_bytes) {
+  return bwd_vecs(vec, grad_bytes) * vec + 4;
+}
 constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
@@ -283,7 +287,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   extern __shared__ float4 column_acc_storage[];
   float* column_acc = reinterpret_cast<float*>(column_acc_storage);
   __shared__ float scratch[3][32];
-  constexpr int kVecs = bwd_vecs(VEC);
+  constexpr int kVecs = bwd_vecs(VEC, sizeof(G));
   constexpr int kAccs = MODULATE ? 2 : 1;
   constexpr bool kLayer = KIND == NormKind::kLayer;
   const int rows_per_block = blockDim.x / threads_per_row;
@@ -299,7 +303,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   const bool accumulate = p.factor_partial != nullptr || p.shift_partial != nullptr;
   // This thread's slots in accumulator `which`: its elements side by side (16-byte
   // accesses at fixed offsets), threads bwd_slot_stride apart (no bank conflicts).
-  constexpr int kStride = bwd_slot_stride(VEC);
+  constexpr int kStride = bwd_slot_stride(VEC, sizeof(G));
   auto slots = [&](int which) { return column_acc + (which * blockDim.x + threadIdx.x) * kStride; };
   // Adds v into the slots of vector k.
   auto add_slots = [&](int which, int k, const float (&v)[VEC]) {
@@ -323,6 +327,43 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       for (int e = 0; e < kVecs * VEC; ++e) slots(which)[e] = 0.f;
     }
   }
+
+  // The factor g at vector i: weight_offset + weight, 1 + scale (scale_row: the row's
+  // scale), or 1.
+  auto load_factor = [&](const T* scale_row, int i, float (&f)[VEC]) {
+    if constexpr (MODULATE) {
+      to_floats(load_vec<T, VEC>(scale_row, i), f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] += 1.f;
+    } else if (p.weight != nullptr) {
+      to_floats(load_vec<W, VEC>(p.weight, i), f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] += p.weight_offset;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] = 1.f;
+    }
+  };
+  auto scale_row_of = [&](int64_t r) {
+    const int64_t batch = r / p.tokens;
+    return MODULATE ? p.scale + batch * p.scale_batch + (r - batch * p.tokens) * p.scale_token : nullptr;
+  };
+  // The factor over this thread's own vectors in fp32, loaded once: it is the same for
+  // every row of the block (the weight, or a scale per batch entry, which is the block's
+  // group) unless the scale varies per token. Half the per-element work of the loop was
+  // loading and converting it twice per row.
+  const bool factor_per_row = MODULATE && p.scale_token != 0;
+  float own_factor[kVecs][VEC];
+  auto load_own_factor = [&](int64_t r) {
+    const T* scale_row = scale_row_of(r);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = vec_index(slice, k);
+      if (i < nvec) load_factor(scale_row, i, own_factor[k]);
+    }
+  };
+  if (!factor_per_row) load_own_factor(group_first);
+
   // The block's slice of its current row.
   Vec<T, VEC> xs[kVecs];
   Vec<G, VEC> dys[kVecs];
@@ -332,44 +373,42 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block; base < p.group_rows; base += row_step) {
     const bool active = base + row_in_block < p.group_rows;
     const int64_t r = group_first + (active ? base + row_in_block : 0);
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int i = vec_index(slice, k);
-      if (!active || i >= nvec) continue;
-      xs[k] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
-      dys[k] = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
-    }
-    const int64_t batch = r / p.tokens;
     const T* x = p.input + r * p.input_stride;
     const G* dy = p.grad_out + r * p.grad_out_stride;
-    const T* scale = MODULATE ? p.scale + batch * p.scale_batch + (r - batch * p.tokens) * p.scale_token : nullptr;
-    auto factor = [&](int i, float (&f)[VEC]) {
-      if constexpr (MODULATE) {
-        const Vec<T, VEC> sc = load_vec<T, VEC>(scale, i);
+    // Unconditional loads (no branch per vector): an inactive row reads the group's first
+    // row and vectors past the row end read its last vector; neither is used.
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = 1.f + to_float(sc.v[j]);
-      } else if (p.weight != nullptr) {
-        const Vec<W, VEC> w = load_vec<W, VEC>(p.weight, i);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = p.weight_offset + to_float(w.v[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = 1.f;
-      }
-    };
-    // Calls fn(x, dy, i) for every vector of the row this thread covers: its own slice
-    // from registers, the other slices from memory.
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = min(vec_index(slice, k), nvec - 1);
+      xs[k] = load_vec<T, VEC>(x, i);
+      dys[k] = load_vec<G, VEC>(dy, i);
+    }
+    if (factor_per_row && active) load_own_factor(r);
+    const T* scale_row = factor_per_row ? scale_row_of(r) : scale_row_of(group_first);
+
+    // Calls fn(x, dy, factor) in fp32 for every vector of the row this thread covers: its
+    // own slice from registers, then the other slices from memory.
     auto for_row = [&](auto&& fn) {
+      if (!active) return;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (vec_index(slice, k) >= nvec) continue;
+        float xf[VEC], df[VEC];
+        to_floats(xs[k], xf);
+        to_floats(dys[k], df);
+        fn(xf, df, own_factor[k]);
+      }
       for (int c = 0; c < slices; ++c) {
+        if (c == slice) continue;
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) {
           const int i = vec_index(c, k);
-          if (!active || i >= nvec) continue;
-          if (c == slice) {
-            fn(xs[k], dys[k], i);
-          } else {
-            fn(load_vec<T, VEC>(x, i), load_vec<G, VEC>(dy, i), i);
-          }
+          if (i >= nvec) continue;
+          float xf[VEC], df[VEC], f[VEC];
+          to_floats(load_vec<T, VEC>(x, i), xf);
+          to_floats(load_vec<G, VEC>(dy, i), df);
+          load_factor(scale_row, i, f);
+          fn(xf, df, f);
         }
       }
     };
@@ -377,72 +416,80 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     float mean = 0.f;
     if constexpr (kLayer) {
       float s[1] = {0.f};
-      for_row([&](const Vec<T, VEC>& xv, const Vec<G, VEC>&, int) {
+      for_row([&](const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) s[0] += to_float(xv.v[j]);
+        for (int j = 0; j < VEC; ++j) s[0] += xf[j];
       });
       row_sums<1>(s, threads_per_row, scratch);
       mean = s[0] * p.inv_cols;
     }
     // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
-    float s[3] = {0.f, 0.f, 0.f};
-    for_row([&](const Vec<T, VEC>& xv, const Vec<G, VEC>& dv, int i) {
-      float f[VEC];
-      factor(i, f);
+    constexpr int kSums = kLayer ? 3 : 2;
+    float s[kSums] = {};
+    for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float c = to_float(xv.v[j]) - mean;
-        const float dn = to_float(dv.v[j]) * f[j];
+        const float c = xf[j] - mean;
+        const float dn = df[j] * f[j];
         s[0] += c * c;
         s[1] += dn * c;
-        s[2] += dn;
+        if constexpr (kLayer) s[kSums - 1] += dn;
       }
     });
-    if constexpr (kLayer) {
-      row_sums<3>(s, threads_per_row, scratch);
-    } else {
-      float s2[2] = {s[0], s[1]};
-      row_sums<2>(s2, threads_per_row, scratch);
-      s[0] = s2[0], s[1] = s2[1];
-    }
+    row_sums<kSums>(s, threads_per_row, scratch);
     if (!active) continue;
     const float rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
     const float mean_dn_n = s[1] * rstd * p.inv_cols;
-    const float mean_dn = kLayer ? s[2] * p.inv_cols : 0.f;
+    const float mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
     const int64_t out_row = r * p.cols;
     const T* extra = p.grad_extra != nullptr ? p.grad_extra + r * p.grad_extra_stride : nullptr;
+    // The write pass, with the Llama-order rounding and the extra grad chosen once per row
+    // rather than predicated per element.
+    auto write_row = [&](auto round_normed, auto add_extra) {
+      // The extra grads all in flight before the first store (which could alias them).
+      Vec<T, VEC> extras[decltype(add_extra)::value ? kVecs : 1];
+      if constexpr (decltype(add_extra)::value) {
 #pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int i = vec_index(slice, k);
-      if (i >= nvec) continue;
-      float f[VEC];
-      factor(i, f);
-      Vec<T, VEC> ex;
-      if (extra != nullptr) ex = load_vec<T, VEC>(extra, i);
-      Vec<T, VEC> dx, fr, sr;
-      float dy_n[VEC], dy_f[VEC];
+        for (int k = 0; k < kVecs; ++k) extras[k] = load_vec<T, VEC>(extra, min(vec_index(slice, k), nvec - 1));
+      }
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = to_float(dys[k].v[j]);
-        float normed = (to_float(xs[k].v[j]) - mean) * rstd;
-        float g = rstd * (d * f[j] - mean_dn - normed * mean_dn_n);
-        if (extra != nullptr) g += to_float(ex.v[j]);
-        dx.v[j] = from_float<T>(g);
-        if (p.cast_before_weight) normed = to_float(from_float<T>(normed));
-        fr.v[j] = from_float<T>(d * normed);
-        sr.v[j] = from_float<T>(d);
-        dy_n[j] = d * normed;
-        dy_f[j] = d;
+      for (int k = 0; k < kVecs; ++k) {
+        const int i = vec_index(slice, k);
+        if (i >= nvec) continue;
+        float xf[VEC], df[VEC], ex[VEC];
+        to_floats(xs[k], xf);
+        to_floats(dys[k], df);
+        if constexpr (decltype(add_extra)::value) to_floats(extras[k], ex);
+        float g[VEC], normed[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          normed[j] = (xf[j] - mean) * rstd;
+          g[j] = rstd * (df[j] * own_factor[k][j] - mean_dn - normed[j] * mean_dn_n);
+          if constexpr (decltype(add_extra)::value) g[j] += ex[j];
+        }
+        store_vec<T, VEC>(p.grad_input + out_row, i, from_floats<T>(g));
+        if constexpr (decltype(round_normed)::value) to_floats(from_floats<T>(normed), normed);
+        float dy_n[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dy_n[j] = df[j] * normed[j];
+        if (accumulate) {
+          add_slots(0, k, dy_n);
+          if constexpr (MODULATE) add_slots(1, k, df);
+        }
+        if constexpr (MODULATE) {
+          if (p.factor_rows != nullptr) store_vec<T, VEC>(p.factor_rows + out_row, i, from_floats<T>(dy_n));
+          if (p.shift_rows != nullptr) store_vec<T, VEC>(p.shift_rows + out_row, i, from_floats<T>(df));
+        }
       }
-      if (accumulate) {
-        add_slots(0, k, dy_n);
-        if constexpr (MODULATE) add_slots(1, k, dy_f);
-      }
-      store_vec<T, VEC>(p.grad_input + out_row, i, dx);
-      if constexpr (MODULATE) {
-        if (p.factor_rows != nullptr) store_vec<T, VEC>(p.factor_rows + out_row, i, fr);
-        if (p.shift_rows != nullptr) store_vec<T, VEC>(p.shift_rows + out_row, i, sr);
-      }
+    };
+    // Rounding a float input to float changes nothing: one variant fewer.
+    const bool round_normed = p.cast_before_weight && !std::is_same_v<T, float>;
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (round_normed) {
+      extra != nullptr ? write_row(Yes{}, Yes{}) : write_row(Yes{}, No{});
+    } else {
+      extra != nullptr ? write_row(No{}, Yes{}) : write_row(No{}, No{});
     }
   }
 
@@ -467,16 +514,25 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 }
 
 // sums[g, c] = sum over b of partial[g, b, c], b in order: 32 columns per block, the
-// partial rows split over threadIdx.y and combined in a fixed order.
+// partial rows split over threadIdx.y and combined in a fixed order. blockIdx.z picks the
+// column grad (weight or scale, then shift): both in one launch.
 constexpr int kSumCols = 32, kSumRows = 16;
 
+struct ColumnSums {
+  const float* partial[2];
+  float* sums[2];
+};
+
 __global__ void __launch_bounds__(kSumCols * kSumRows)
-    column_sum_kernel(const float* partial, float* sums, int partial_rows, int cols) {
+    column_sum_kernel(const ColumnSums grads, int partial_rows, int cols) {
   __shared__ float tile[kSumRows][kSumCols];
   const int col = blockIdx.x * kSumCols + threadIdx.x;
-  const float* group = partial + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
+  const float* group = grads.partial[blockIdx.z] + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
+  float* sums = grads.sums[blockIdx.z];
   float acc = 0.f;
   if (col < cols) {
+    // Unrolled so that eight loads are in flight per thread (the adds keep their order).
+#pragma unroll 8
     for (int b = threadIdx.y; b < partial_rows; b += kSumRows) acc += group[static_cast<int64_t>(b) * cols + col];
   }
   tile[threadIdx.y][threadIdx.x] = acc;
@@ -501,7 +557,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                       ok_ptr(a.shift_rows, tb) && ok_ptr(a.weight, V * sizeof(W)) && ok_ptr(a.grad_out, V * sizeof(G));
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
-  const int vecs_per_thread = bwd_vecs(vec);
+  const int vecs_per_thread = bwd_vecs(vec, sizeof(G));
   const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(MODULATE));
   const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
   const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
@@ -509,16 +565,16 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int64_t groups = a.rows / a.group_rows;
 
   const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
-  const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * bwd_slot_stride(vec) * sizeof(float) : 0;
+  const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * bwd_slot_stride(vec, sizeof(G)) * sizeof(float) : 0;
   const auto kernel =
       vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
 
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
-  int sms = 0, blocks_per_sm = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device.index()));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, cfg.block, shared));
-  const int64_t wanted = std::max<int64_t>(1, static_cast<int64_t>(sms) * blocks_per_sm / (groups * slices));
+  const int device = a.device.index();
+  const int64_t resident = static_cast<int64_t>(sm_count(device)) *
+                           max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, cfg.block, shared);
+  const int64_t wanted = std::max<int64_t>(1, resident / (groups * slices));
   const int row_blocks = static_cast<int>(std::min<int64_t>(
       {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
   TORCH_CHECK(groups <= 65535, "norm backward: ", groups, " batch entries is more than one launch takes (65535)");
@@ -551,12 +607,16 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   kernel<<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
   check_launch();
   if (sums && row_blocks > 1) {
-    const dim3 sum_grid(static_cast<unsigned>((a.cols + kSumCols - 1) / kSumCols), static_cast<unsigned>(groups));
+    ColumnSums grads{};
+    unsigned count = 0;
     for (const auto& [from, to] : {std::pair<float*, float*>{factor_partial, a.factor_sums}, {shift_partial, a.shift_sums}}) {
       if (to == nullptr) continue;
-      column_sum_kernel<<<sum_grid, dim3(kSumCols, kSumRows), 0, stream>>>(from, to, row_blocks, static_cast<int>(a.cols));
-      check_launch();
+      grads.partial[count] = from, grads.sums[count] = to;
+      ++count;
     }
+    const dim3 sum_grid(static_cast<unsigned>((a.cols + kSumCols - 1) / kSumCols), static_cast<unsigned>(groups), count);
+    column_sum_kernel<<<sum_grid, dim3(kSumCols, kSumRows), 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+    check_launch();
   }
 }
 
