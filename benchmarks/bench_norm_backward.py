@@ -1,0 +1,92 @@
+"""The norm backward kernels alone (no forward, no autograd), on a CUDA GPU: kernel time
+by CUDA-graph replay with inputs rotated past L2 (harness.py), and % of the copy
+bandwidth measured in the same run. bench_ops.py --backward times forward+backward
+through autograd; this isolates the backward op to tune it.
+
+    python benchmarks/bench_norm_backward.py [--json out.json]
+
+Bytes counted: x and dy read, dx written (and the extra grad read when given; per-token
+AdaLN also writes its two per-row column-grad tensors). The column-grad sums and the
+weight or broadcast scale are small and not counted.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BF16 = torch.bfloat16
+
+
+def kernel_us(make_call, nbytes):
+    copies = harness.copies_for_cold_l2(nbytes)
+    calls = [make_call() for _ in range(copies)]
+    calls = [calls[i % copies] for i in range(harness.calls_per_graph(copies, nbytes))]
+    return harness.graph_time_us(calls)
+
+
+def rms_case(ops, rows, cols, dtype=BF16, weight_dtype=None, weight=True, extra=False):
+    def make_call():
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+        dy = torch.randn_like(x)
+        w = torch.randn(cols, device="cuda", dtype=weight_dtype or dtype) if weight else None
+        ex = torch.randn_like(x) if extra else None
+        return lambda: ops.rms_norm_backward(dy, x, w, 1e-6, 0.0, True, ex)
+
+    weight_name = str(weight_dtype or dtype)[6:] if weight else "none"
+    name = f"rms_norm_backward {rows}x{cols} {str(dtype)[6:]} weight {weight_name}{' + extra grad' if extra else ''}"
+    return name, make_call, rows * cols * dtype.itemsize * (4 if extra else 3)
+
+
+def adaln_case(ops, batch, tokens, cols, norm="rms", per_token=False):
+    def make_call():
+        x = torch.randn(batch, tokens, cols, device="cuda", dtype=BF16)
+        dy = torch.randn_like(x)
+        scale = torch.randn(batch, tokens if per_token else 1, cols, device="cuda", dtype=BF16) * 0.1
+        shift = torch.randn_like(scale)
+        return lambda: ops.adaln_backward(dy, x, scale, shift, 1e-6, norm, None)
+
+    mod = f"[{batch},{tokens},{cols}]" if per_token else f"[{batch},1,{cols}]"
+    name = f"adaln_backward {norm} [{batch},{tokens},{cols}] scale/shift {mod} bfloat16"
+    return name, make_call, batch * tokens * cols * BF16.itemsize * (5 if per_token else 3)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_norm_backward.py times CUDA kernels: it needs a CUDA GPU")
+    from kernels import get_local_kernel
+
+    ops = get_local_kernel(REPO).ops
+    copy_gbs = harness.copy_bandwidth_gbs()
+    cases = [
+        rms_case(ops, 32768, 4096), rms_case(ops, 32768, 4096, extra=True), rms_case(ops, 8192, 4096),
+        rms_case(ops, 32768, 8192), rms_case(ops, 8192, 65536), rms_case(ops, 8192, 1536),
+        rms_case(ops, 648720, 128), rms_case(ops, 5376, 2048, weight=False),
+        rms_case(ops, 32768, 4096, weight_dtype=torch.float32), rms_case(ops, 32768, 4096, dtype=torch.float16),
+        rms_case(ops, 32768, 4096, dtype=torch.float32),
+        adaln_case(ops, 2, 21504, 2048), adaln_case(ops, 2, 2688, 2048), adaln_case(ops, 2, 21504, 2048, "layer"),
+        adaln_case(ops, 2, 2688, 2048, per_token=True),
+    ]
+    print(f"{torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n")
+    print("| op, shape | kernel us | MB moved | % copy BW |\n|---|---|---|---|")
+    rows = []
+    for name, make_call, nbytes in cases:
+        us = kernel_us(make_call, nbytes)
+        pct = 100 * nbytes / us / 1e3 / copy_gbs
+        rows.append(dict(case=name, kernel_us=us, mb_moved=nbytes / 1e6, pct_copy_bw=pct))
+        print(f"| {name} | {us:.1f} | {nbytes / 1e6:.1f} | {pct:.0f}% |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=copy_gbs, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
