@@ -6,8 +6,8 @@ through autograd; this isolates the backward op to tune it.
     python benchmarks/bench_norm_backward.py [--json out.json]
 
 Bytes counted: x and dy read, dx written (and the extra grad read when given; per-token
-AdaLN also writes its two per-row column-grad tensors). The column-grad sums and the
-weight or broadcast scale are small and not counted.
+AdaLN also reads its [B,S,D] scale and writes its two per-row column-grad tensors). The
+column-grad sums and the weight or broadcast scale are small and not counted.
 """
 
 import argparse
@@ -54,7 +54,7 @@ def adaln_case(ops, batch, tokens, cols, norm="rms", per_token=False):
 
     mod = f"[{batch},{tokens},{cols}]" if per_token else f"[{batch},1,{cols}]"
     name = f"adaln_backward {norm} [{batch},{tokens},{cols}] scale/shift {mod} bfloat16"
-    return name, make_call, batch * tokens * cols * BF16.itemsize * (5 if per_token else 3)
+    return name, make_call, batch * tokens * cols * BF16.itemsize * (6 if per_token else 3)
 
 
 def main():

@@ -225,10 +225,10 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 //
 // Bytes in flight come from loads per thread: four 16-byte vectors of x and of dy per
 // thread (32 elements in 16 bits: 128-thread rows at D = 4096, four blocks per SM; 16 in
-// fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes. More would
-// spill beside the fp32 factor. One 16-byte vector per thread on 512-thread rows (84
-// registers, one block per SM), even with the next row prefetched, took 1.5x as long on
-// the H200.
+// fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes, eight single
+// elements on the unaligned path. More would spill beside the fp32 factor. One 16-byte
+// vector per thread on 512-thread rows (84 registers, one block per SM), even with the
+// next row prefetched, took 1.5x as long on the H200.
 __host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes) {
   return vec == 1 ? 8 : vec * grad_bytes > 16 ? 2 : 4;
 }
@@ -240,7 +240,7 @@ constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
 // Threads on one row slice: AdaLN's two column accumulators take half as many, so that the
-// shared memory stays at 32 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
+// shared memory stays at 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
 constexpr int bwd_row_threads(bool modulate) { return modulate ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
 template <typename T, typename W, typename G>
@@ -446,7 +446,8 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     // The write pass, with the Llama-order rounding and the extra grad chosen once per row
     // rather than predicated per element.
     auto write_row = [&](auto round_normed, auto add_extra) {
-      // The extra grads all in flight before the first store (which could alias them).
+      // The extra grads all in flight at once: loaded in the loop, each would wait behind
+      // the previous vector's stores, which the compiler cannot prove apart from them.
       Vec<T, VEC> extras[decltype(add_extra)::value ? kVecs : 1];
       if constexpr (decltype(add_extra)::value) {
 #pragma unroll

@@ -82,7 +82,9 @@ struct NormBackwardArgs {
 
   int64_t rows = 0, cols = 0;
   int64_t tokens = 1;      // rows per batch entry, for the scale's (batch, token) rows
-  int64_t group_rows = 0;  // rows per column-sum group (groups = rows / group_rows)
+  // Rows per column-sum group (groups = rows / group_rows). AdaLN's groups are its batch
+  // entries (group_rows = tokens): the CUDA kernel loads a per-batch scale once per block.
+  int64_t group_rows = 0;
   int64_t input_stride = 0, grad_out_stride = 0, grad_extra_stride = 0;
   float eps = 0.f, inv_cols = 0.f, weight_offset = 0.f;
   bool cast_before_weight = false;
