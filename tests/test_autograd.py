@@ -45,11 +45,13 @@ def test_rms_norm_grads(kernel, device, shape, dtype):
     _assert_grads_match(kernel.rms_norm(x, w, 1e-6), lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dtype)
 
 
+@pytest.mark.parametrize("cols", [256, 5000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_rms_norm_grads_fp32_weight_and_out(kernel, device, dtype):
-    """The Llama order with an fp32 weight: grads of an fp32 output, to an fp32 weight."""
-    (x,) = _leaves(device, dtype, (6, 256))
-    w = torch.randn(256, device=device).requires_grad_()
+def test_rms_norm_grads_fp32_weight_and_out(kernel, device, dtype, cols):
+    """The Llama order with an fp32 weight: grads of an fp32 output, to an fp32 weight.
+    fp32 grads of a 16-bit input take half the columns per CUDA slice: 5000 is two."""
+    (x,) = _leaves(device, dtype, (6, cols))
+    w = torch.randn(cols, device=device).requires_grad_()
     y = kernel.rms_norm(x, w, 1e-6, cast_before_weight=True, out_dtype=torch.float32)
     _assert_grads_match(y, lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dtype)
 
@@ -83,6 +85,15 @@ def test_adaln_grads(kernel, device, norm, mod, dtype):
     x, scale, shift = _leaves(device, dtype, (2, 300, 64), MOD_SHAPES[mod], MOD_SHAPES[mod])
     y = kernel.adaln(x, scale, shift, 1e-6, norm=norm)
     _assert_grads_match(y, lambda x, s, t: adaln_ref(x, s, t, 1e-6, norm), [x, scale, shift], dtype)
+
+
+@pytest.mark.parametrize("scale_mod, shift_mod", [("per-token", "per-batch"), ("per-batch", "per-token")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adaln_grads_mixed_modulation(kernel, device, scale_mod, shift_mod, dtype):
+    """One column grad summed, the other per row: the column-sum launch takes either alone."""
+    x, scale, shift = _leaves(device, dtype, (2, 300, 64), MOD_SHAPES[scale_mod], MOD_SHAPES[shift_mod])
+    y = kernel.adaln(x, scale, shift, 1e-6, norm="rms")
+    _assert_grads_match(y, lambda x, s, t: adaln_ref(x, s, t, 1e-6, "rms"), [x, scale, shift], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
