@@ -1,7 +1,7 @@
 // RoPE on CUDA (see rope.h): one block per (b, s) token rotates every head of q and k;
-// each thread loads the token's cos/sin for its unit of N channels once (16-byte vectors
-// where alignment allows) and applies them to the heads it owns, so the tables are read
-// once per token, not once per head.
+// each thread loads the token's cos/sin for its unit of N channels once (8- or 16-byte
+// vectors where alignment allows) and applies them to the heads it owns, so the tables
+// are read once per token, not once per head.
 #include "cuda_common.cuh"
 #include "rope.h"
 
@@ -32,83 +32,131 @@ struct RopeParams {
   bool inverse;
 };
 
-// Units of N channels: [x1, x2] at i and i + R/2 (rotate-half), or N/2 interleaved pairs.
-// threadIdx.x walks units; threadIdx.y walks groups of HEADS heads (q's, then
-// k's). A thread issues its heads' loads before the tables' (which every head row of the
-// block shares, so they mostly hit L1/L2): all of them are in flight at once, where a load
-// of the tables first and of one head after it paid DRAM latency twice.
+// The token's rows of one head, h over q's heads then k's: the per-token parts of the
+// offsets are added once per block, so a head costs a select and one multiply-add.
+template <typename T>
+struct TokenRows {
+  const T* q_in;
+  T* q_out;
+  const T* k_in;
+  T* k_out;
+  int64_t q_heads, q_in_h, q_out_h, k_in_h, k_out_h;
+
+  __device__ TokenRows(const RopeRows<T>& q, const RopeRows<T>& k, int64_t b, int64_t s)
+      : q_in(q.in + b * q.in_b + s * q.in_s),
+        q_out(q.out + b * q.out_b + s * q.out_s),
+        k_in(k.in + b * k.in_b + s * k.in_s),
+        k_out(k.out + b * k.out_b + s * k.out_s),
+        q_heads(q.heads),
+        q_in_h(q.in_h),
+        q_out_h(q.out_h),
+        k_in_h(k.in_h),
+        k_out_h(k.out_h) {}
+
+  __device__ const T* in(int64_t h) const { return h < q_heads ? q_in + h * q_in_h : k_in + (h - q_heads) * k_in_h; }
+  __device__ T* out(int64_t h) const { return h < q_heads ? q_out + h * q_out_h : k_out + (h - q_heads) * k_out_h; }
+};
+
+// The fp32 cos/sin of one unit of N channels, converted once and applied to every head
+// of the thread. Rotate-half pairs channel i (x1) with i + R/2 (x2):
+//   y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2;
+// interleaved pairs (2i, 2i + 1) inside the unit (only c1 and s1 used):
+//   y[2i] = x[2i] c[2i] - x[2i+1] s[2i], y[2i+1] = x[2i+1] c[2i+1] + x[2i] s[2i+1].
+// The inverse (the backward) is the transposed map: the pair's sines swap and negate.
+template <int N, bool INTERLEAVED>
+struct UnitTables {
+  float c1[N], s1[N], c2[N], s2[N];
+
+  template <typename C, bool ALIGNED>
+  __device__ void load(const C* cos, const C* sin, int i, int second, bool inverse) {
+    float sa[N], sb[N];
+    to_floats(load_n<C, N, ALIGNED>(cos + i), c1);
+    to_floats(load_n<C, N, ALIGNED>(sin + i), sa);
+    if constexpr (INTERLEAVED) {
+#pragma unroll
+      for (int e = 0; e < N; e += 2) {
+        s1[e] = inverse ? -sa[e + 1] : sa[e];
+        s1[e + 1] = inverse ? -sa[e] : sa[e + 1];
+      }
+    } else {
+      to_floats(load_n<C, N, ALIGNED>(cos + i + second), c2);
+      to_floats(load_n<C, N, ALIGNED>(sin + i + second), sb);
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        s1[e] = inverse ? -sb[e] : sa[e];
+        s2[e] = inverse ? -sa[e] : sb[e];
+      }
+    }
+  }
+
+  template <typename T>
+  __device__ void rotate(const Vec<T, N>& x1, const Vec<T, N>& x2, Vec<T, N>& y1, Vec<T, N>& y2) const {
+    float a[N], o[N], r1[N], r2[N];
+    to_floats(x1, a);
+    if constexpr (INTERLEAVED) {
+#pragma unroll
+      for (int e = 0; e < N; e += 2) {
+        r1[e] = a[e] * c1[e] - a[e + 1] * s1[e];
+        r1[e + 1] = a[e + 1] * c1[e + 1] + a[e] * s1[e + 1];
+      }
+    } else {
+      to_floats(x2, o);
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        r1[e] = a[e] * c1[e] - o[e] * s1[e];
+        r2[e] = o[e] * c2[e] + a[e] * s2[e];
+      }
+      y2 = from_floats<T>(r2);
+    }
+    y1 = from_floats<T>(r1);
+  }
+};
+
+// One block per (b, s) token. threadIdx.x walks the head's units of N channels (pairs at i
+// and i + R/2 for rotate-half, N/2 adjacent pairs for interleaved); threadIdx.y walks
+// groups of HEADS heads (q's, then k's). A thread issues its first heads' loads before
+// the tables' (which every head row of the block shares, so they mostly hit L1/L2), so
+// DRAM latency is paid once; it converts the tables once for all the heads it rotates.
 template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED, int HEADS>
 __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> p) {
   const int64_t b = blockIdx.x / p.seq;
   const int64_t s = blockIdx.x - b * p.seq;
   const C* cos = p.cos + b * p.table_b + s * p.table_s;
   const C* sin = p.sin + b * p.table_b + s * p.table_s;
+  const TokenRows<T> rows(p.q, p.k, b, s);
   const int heads = static_cast<int>(p.q.heads + p.k.heads);
-  auto rows = [&](int h, const T*& in, T*& out) {
-    const bool is_q = h < p.q.heads;
-    const RopeRows<T>& t = is_q ? p.q : p.k;
-    const int64_t hh = is_q ? h : h - p.q.heads;
-    in = t.in + b * t.in_b + hh * t.in_h + s * t.in_s;
-    out = t.out + b * t.out_b + hh * t.out_h + s * t.out_s;
-  };
 
   const int rotary_units = INTERLEAVED ? p.rotary_dim / N : p.rotary_dim / 2 / N;
   // Rotate-half's second element of a pair sits half the rotary dim further on.
   const int second = INTERLEAVED ? 0 : p.rotary_dim / 2;
   for (int u = threadIdx.x; u < rotary_units; u += blockDim.x) {
     const int i = u * N;
+    UnitTables<N, INTERLEAVED> tables;
     for (int h0 = threadIdx.y * HEADS; h0 < heads; h0 += blockDim.y * HEADS) {
-      const T* in[HEADS];
-      T* out[HEADS];
       Vec<T, N> x1[HEADS], x2[HEADS];
 #pragma unroll
       for (int j = 0; j < HEADS; ++j) {
         if (h0 + j >= heads) continue;
-        rows(h0 + j, in[j], out[j]);
-        x1[j] = load_n<T, N, ALIGNED>(in[j] + i);
-        if constexpr (!INTERLEAVED) x2[j] = load_n<T, N, ALIGNED>(in[j] + i + second);
+        const T* in = rows.in(h0 + j);
+        x1[j] = load_n<T, N, ALIGNED>(in + i);
+        if constexpr (!INTERLEAVED) x2[j] = load_n<T, N, ALIGNED>(in + i + second);
       }
-      const Vec<C, N> c1 = load_n<C, N, ALIGNED>(cos + i), sv1 = load_n<C, N, ALIGNED>(sin + i);
-      Vec<C, N> c2, sv2;
-      if constexpr (!INTERLEAVED) {
-        c2 = load_n<C, N, ALIGNED>(cos + i + second);
-        sv2 = load_n<C, N, ALIGNED>(sin + i + second);
-      }
+      if (h0 == threadIdx.y * HEADS) tables.template load<C, ALIGNED>(cos, sin, i, second, p.inverse);
 #pragma unroll
       for (int j = 0; j < HEADS; ++j) {
         if (h0 + j >= heads) continue;
         Vec<T, N> y1, y2;
-        if constexpr (INTERLEAVED) {
-          // The backward swaps and negates each pair's sines (the transpose of the rotation).
-#pragma unroll
-          for (int e = 0; e < N; e += 2) {
-            const float s0 = p.inverse ? -to_float(sv1.v[e + 1]) : to_float(sv1.v[e]);
-            const float s1 = p.inverse ? -to_float(sv1.v[e]) : to_float(sv1.v[e + 1]);
-            const float a = to_float(x1[j].v[e]), o = to_float(x1[j].v[e + 1]);
-            y1.v[e] = from_float<T>(a * to_float(c1.v[e]) - o * s0);
-            y1.v[e + 1] = from_float<T>(o * to_float(c1.v[e + 1]) + a * s1);
-          }
-        } else {
-          // The backward swaps and negates the halves' sines.
-#pragma unroll
-          for (int e = 0; e < N; ++e) {
-            const float s1 = p.inverse ? -to_float(sv2.v[e]) : to_float(sv1.v[e]);
-            const float s2 = p.inverse ? -to_float(sv1.v[e]) : to_float(sv2.v[e]);
-            const float a = to_float(x1[j].v[e]), o = to_float(x2[j].v[e]);
-            y1.v[e] = from_float<T>(a * to_float(c1.v[e]) - o * s1);
-            y2.v[e] = from_float<T>(o * to_float(c2.v[e]) + a * s2);
-          }
-          store_n<T, N, ALIGNED>(out[j] + i + second, y2);
-        }
-        store_n<T, N, ALIGNED>(out[j] + i, y1);
+        tables.rotate(x1[j], x2[j], y1, y2);
+        T* out = rows.out(h0 + j);
+        store_n<T, N, ALIGNED>(out + i, y1);
+        if constexpr (!INTERLEAVED) store_n<T, N, ALIGNED>(out + i + second, y2);
       }
     }
   }
   // Channels past the rotary dim pass through (nothing to do in place).
   for (int h = threadIdx.y; h < heads; h += blockDim.y) {
-    const T* in;
-    T* out;
-    rows(h, in, out);
+    const T* in = rows.in(h);
+    T* out = rows.out(h);
     if (out == in) continue;
     if constexpr (ALIGNED) {
       for (int i = p.rotary_dim + threadIdx.x * N; i < p.head_dim; i += blockDim.x * N) {
@@ -138,35 +186,46 @@ bool vectorizable(const RopeArgs& a) {
   return ok;
 }
 
-template <typename T, typename C, bool INTERLEAVED>
-void launch(const RopeArgs& a, cudaStream_t stream) {
-  constexpr int V = kVec16<T>;
-  const bool vector = vectorizable<T, C, V>(a);
-  // Scalar path: one channel (rotate-half) or one pair (interleaved) per unit.
-  constexpr int kScalarN = INTERLEAVED ? 2 : 1;
-  constexpr int kHeads = INTERLEAVED ? 2 : 1;
-  const int n = vector ? V : kScalarN;
-  const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / n;
-  // Threads over the units of a head first, then one row of threads per kHeads heads (up
-  // to 512 threads). Interleaved takes two heads per thread: LTX's q and k read their
-  // [B, S, C] fp32 tables (half the bytes it moves) once; 1.04x faster than one head on
-  // the H200. Rotate-half's four table vectors leave no registers for a second head.
+template <typename T, typename C, bool INTERLEAVED, int N, int HEADS>
+void launch_with(const RopeArgs& a, cudaStream_t stream) {
+  // Threads over the units of a head first, then one row of threads per HEADS heads (up
+  // to 512 threads).
+  const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / N;
   int tx = 1;
   while (tx < units && tx < kUnitThreads) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
-  const int ty = static_cast<int>(std::min<int64_t>((heads + kHeads - 1) / kHeads, kMaxBlock / tx));
-  const dim3 block(tx, ty);
+  const int ty = static_cast<int>(std::min<int64_t>((heads + HEADS - 1) / HEADS, kMaxBlock / tx));
   const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
                            a.table_b, a.table_s, a.seq, static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim),
                            a.inverse};
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
-  if (vector) {
-    rope_kernel<T, C, V, true, INTERLEAVED, kHeads><<<blocks, block, 0, stream>>>(p);
-  } else {
-    rope_kernel<T, C, kScalarN, false, INTERLEAVED, kHeads><<<blocks, block, 0, stream>>>(p);
-  }
+  constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
+  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS><<<blocks, dim3(tx, ty), 0, stream>>>(p);
   check_launch();
+}
+
+template <typename T, typename C, bool INTERLEAVED>
+void launch(const RopeArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec16<T>;
+  if constexpr (INTERLEAVED) {
+    // Two heads per thread: LTX's q and k read their [B, S, C] fp32 tables (half the
+    // bytes it moves) once; 1.04x faster than one head on the H200.
+    if (vectorizable<T, C, V>(a)) return launch_with<T, C, true, V, 2>(a, stream);
+    return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned
+  } else {
+    // Many tokens: 8-byte units of four heads each, so a thread has 64 bytes of heads in
+    // flight and converts its four table vectors once for four heads (H200,
+    // q[1,32,8192,128] bf16: 47 us against 65 us with 16-byte units of one head).
+    // Few tokens: one head per thread spreads a token over more threads
+    // (q[1,32,128,128]: 3.3 us against 3.8 us).
+    constexpr int kHalfVec = V / 2;
+    const bool many_tokens = a.batch * a.seq >= 2 * sm_count(a.device.index());
+    if (many_tokens && vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);
+    if (vectorizable<T, C, V>(a)) return launch_with<T, C, false, V, 1>(a, stream);
+    if (vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);
+    return launch_with<T, C, false, 1, 1>(a, stream);  // one channel per unit, unaligned
+  }
 }
 
 template <typename T, typename C>
@@ -190,6 +249,9 @@ constexpr int kQkMaxBlock = 512;  // fp32 tables need more than the 64 registers
 
 // One (tensor, b, s) row per threads_per_row threads: RMSNorm in fp32, weight, rounding to
 // T (what torch.nn.RMSNorm returns), then interleaved RoPE in fp32 and a second rounding.
+// Rows alternate q, k of one token, so the k row reads the tables the q row just brought
+// into L2: LTX's fp32 [B, S, C] tables are as large as q and k together, and reading
+// them twice from DRAM cost 1.5x the bytes.
 template <typename T, typename C, int VEC, bool ALIGNED>
 __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormRopeParams<T, C> p, int threads_per_row) {
   __shared__ float scratch[32];
@@ -197,8 +259,8 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
   const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
   const int t = threadIdx.x % threads_per_row;
   const bool active = row < 2 * p.rows;  // inactive threads still join the reduction
-  const bool is_q = row < p.rows;
-  const int64_t r = active ? (is_q ? row : row - p.rows) : 0;
+  const bool is_q = row % 2 == 0;
+  const int64_t r = active ? row / 2 : 0;
   const T* x = is_q ? p.q + r * p.q_stride : p.k + r * p.k_stride;
   T* y = is_q ? p.q_out + r * p.q_out_stride : p.k_out + r * p.k_out_stride;
   const T* w = is_q ? p.q_weight : p.k_weight;

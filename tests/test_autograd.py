@@ -129,13 +129,16 @@ def test_gated_residual_grads(kernel, device, gate_shape):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial-rotary"])
-def test_rope_rotate_half_grads(kernel, device, dtype, partial):
+@pytest.mark.parametrize("seq", [6, 300], ids=["few-tokens", "many-tokens"])
+def test_rope_rotate_half_grads(kernel, device, dtype, partial, seq):
     """GQA q/k as transposed views of [B, S, H, D]; tables [S, R] with distinct halves (the
-    backward must pair sines as the transpose does, not merely negate them)."""
-    qs, ks = (torch.randn(2, 6, 4, 32, device=device, dtype=dtype), torch.randn(2, 6, 2, 32, device=device, dtype=dtype))
+    backward must pair sines as the transpose does, not merely negate them). 600 tokens
+    take the CUDA path of four heads per thread."""
+    qs, ks = (torch.randn(2, seq, 4, 32, device=device, dtype=dtype),
+              torch.randn(2, seq, 2, 32, device=device, dtype=dtype))
     q, k = qs.transpose(1, 2).requires_grad_(), ks.transpose(1, 2).requires_grad_()
     r = 16 if partial else 32
-    cos, sin = torch.randn(6, r, device=device), torch.randn(6, r, device=device)
+    cos, sin = torch.randn(seq, r, device=device), torch.randn(seq, r, device=device)
     rot = lambda x: rope_ref(x, cos, sin, interleaved=False)  # noqa: E731
     _assert_grads_match(kernel.rope_rotate_half(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
 

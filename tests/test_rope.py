@@ -44,7 +44,10 @@ def interleaved_ref(x, cos, sin):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 32, 8, 64, 128, 128), (2, 4, 4, 33, 64, 64), (2, 8, 2, 17, 128, 64), (1, 2, 1, 5, 80, 80), (3, 3, 1, 7, 6, 4),
-], ids=["gqa", "mha", "partial", "d80", "odd_tiny"])
+    # Enough tokens (>= 2 per SM) for the CUDA path of four heads per thread: 9 heads leave
+    # a partial group; D = 72 gives 8-byte but not 16-byte units for 16-bit dtypes.
+    (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 72), (1, 6, 1, 600, 128, 96),
+], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_d72", "many_partial"])
 def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d, rotary, dtype):
     # Transposed views, as attention modules make them: [B, S, H, D] memory, [B, H, S, D] view.
     q = make((batch, seq, hq, d), dtype, device).transpose(1, 2)
