@@ -564,6 +564,9 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t groups = a.rows / a.group_rows;
+  // The kernel loads a per-batch AdaLN scale once per block: its groups are batch entries.
+  TORCH_INTERNAL_ASSERT(!MODULATE || a.group_rows == a.tokens, "norm backward: AdaLN groups of ", a.group_rows,
+                        " rows with ", a.tokens, " tokens per batch entry");
 
   const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
   const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * bwd_slot_stride(vec, sizeof(G)) * sizeof(float) : 0;

@@ -218,7 +218,9 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     // flight and converts its four table vectors once for four heads (H200,
     // q[1,32,8192,128] bf16: 47 us against 65 us with 16-byte units of one head).
     // Few tokens: one head per thread spreads a token over more threads
-    // (q[1,32,128,128]: 3.3 us against 3.8 us).
+    // (q[1,32,128,128]: 3.3 us against 3.8 us). fp32 takes the same units: 90 us, where
+    // 16-byte units of one head take 106 us (and of two or four, 87 us: not worth a
+    // fourth instantiation).
     constexpr int kHalfVec = V / 2;
     const bool many_tokens = a.batch * a.seq >= 2 * sm_count(a.device.index());
     if (many_tokens && vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);

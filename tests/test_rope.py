@@ -44,10 +44,10 @@ def interleaved_ref(x, cos, sin):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 32, 8, 64, 128, 128), (2, 4, 4, 33, 64, 64), (2, 8, 2, 17, 128, 64), (1, 2, 1, 5, 80, 80), (3, 3, 1, 7, 6, 4),
-    # Enough tokens (>= 2 per SM) for the CUDA path of four heads per thread: 9 heads leave
-    # a partial group; D = 72 gives 8-byte but not 16-byte units for 16-bit dtypes.
-    (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 72), (1, 6, 1, 600, 128, 96),
-], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_d72", "many_partial"])
+    # 600+ tokens (>= 2 per SM) take CUDA's path of four heads per thread: 9 heads leave a
+    # partial group of four.
+    (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96),
+], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_partial"])
 def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d, rotary, dtype):
     # Transposed views, as attention modules make them: [B, S, H, D] memory, [B, H, S, D] view.
     q = make((batch, seq, hq, d), dtype, device).transpose(1, 2)
@@ -57,6 +57,27 @@ def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d
     assert q_out.shape == q.shape and q_out.stride() == q.stride(), "the output keeps q's layout"
     assert_close(q_out, rotate_half_ref(q, cos, sin), dtype, roundings=2)
     assert_close(k_out, rotate_half_ref(k, cos, sin), dtype, roundings=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "in_place"])
+@pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
+    (1, 5, 2, 7, 72, 72), (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 64),
+], ids=["few_d72", "many_tokens", "many_d72_partial"])
+def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, d, rotary, inplace, dtype):
+    """Random [B, S, R] tables whose halves differ, so a kernel that takes one half's cos
+    or sin for the other fails (real tables are cat(f, f): equal halves). D = 72 gives
+    8-byte but not 16-byte units for 16-bit dtypes; 600+ tokens take CUDA's path of four
+    heads per thread (>= 2 tokens per SM for up to 300 SMs)."""
+    q = make((batch, seq, hq, d), dtype, device).transpose(1, 2)
+    k = make((batch, seq, hkv, d), dtype, device).transpose(1, 2)
+    cos, sin = (make((batch, seq, rotary), dtype, device) for _ in range(2))
+    q_ref, k_ref = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
+    q_out, k_out = kernel.rope_rotate_half(q, k, cos, sin, inplace=inplace)
+    assert (q_out is q) == inplace and (k_out is k) == inplace
+    # |cos|, |sin| up to ~4 here: products of that size, so an absolute term too.
+    assert_close(q_out, q_ref, dtype, roundings=2, atol=8 * TOLERANCE[dtype]["rtol"])
+    assert_close(k_out, k_ref, dtype, roundings=2, atol=8 * TOLERANCE[dtype]["rtol"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
