@@ -314,12 +314,11 @@ def rope_api(name, interleaved, fn):
             reference, **rope_kw),
         Api(f"{name}[inplace]", QK, make_rope(interleaved),
             lambda k, t: getattr(k, fn)(t["q"], t["k"], t["cos"], t["sin"], inplace=True), reference, **rope_kw),
-        Api(f"ops.rope_out[{name}]", QK + QK_OUT,
+        Api(f"{name}[out]", QK + QK_OUT,
             lambda dims, dtype, device: {**(t := make_rope(interleaved)(dims, dtype, device)),
                                          "q_out": torch.full_like(t["q"], float("nan")),
                                          "k_out": torch.full_like(t["k"], float("nan"))},
-            lambda k, t: (k.ops.rope_out(t["q_out"], t["k_out"], t["q"], t["k"], t["cos"], t["sin"], interleaved, 2),
-                          t["q_out"], t["k_out"])[1:],
+            lambda k, t: getattr(k, fn)(t["q"], t["k"], t["cos"], t["sin"], out=(t["q_out"], t["k_out"])),
             reference, **rope_kw),
     ]
 

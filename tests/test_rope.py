@@ -60,11 +60,11 @@ def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("inplace", [False, True], ids=["out", "in_place"])
+@pytest.mark.parametrize("mode", ["new", "in_place", "out"])
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 5, 2, 7, 72, 72), (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 64),
 ], ids=["few_d72", "many_tokens", "many_d72_partial"])
-def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, d, rotary, inplace, dtype):
+def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, d, rotary, mode, dtype):
     """Random [B, S, R] tables whose halves differ, so a kernel that takes one half's cos
     or sin for the other fails (real tables are cat(f, f): equal halves). D = 72 gives
     8-byte but not 16-byte units for 16-bit dtypes; 600+ tokens take CUDA's path of four
@@ -73,8 +73,10 @@ def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, 
     k = make((batch, seq, hkv, d), dtype, device).transpose(1, 2)
     cos, sin = (make((batch, seq, rotary), dtype, device) for _ in range(2))
     q_ref, k_ref = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
-    q_out, k_out = kernel.rope_rotate_half(q, k, cos, sin, inplace=inplace)
-    assert (q_out is q) == inplace and (k_out is k) == inplace
+    out = (torch.empty_like(q), torch.empty_like(k)) if mode == "out" else None
+    q_out, k_out = kernel.rope_rotate_half(q, k, cos, sin, inplace=mode == "in_place", out=out)
+    assert (q_out is q) == (k_out is k) == (mode == "in_place")
+    assert out is None or (q_out is out[0] and k_out is out[1])
     # |cos|, |sin| up to ~4 here: products of that size, so an absolute term too.
     assert_close(q_out, q_ref, dtype, roundings=2, atol=8 * TOLERANCE[dtype]["rtol"])
     assert_close(k_out, k_ref, dtype, roundings=2, atol=8 * TOLERANCE[dtype]["rtol"])
@@ -120,6 +122,13 @@ def test_interleaved_flux_layout(kernel, device, sequence_dim, dtype):
     c, sn = (cos[:, None], sin[:, None]) if sequence_dim == 1 else (cos, sin)
     assert_close(q_out, interleaved_ref(q, c, sn), dtype, roundings=2)
     assert_close(k_out, interleaved_ref(k, c, sn), dtype, roundings=2)
+
+
+def test_inplace_and_out_together_are_refused(kernel, device):
+    q, k = make((1, 2, 3, 8), torch.float32, device), make((1, 1, 3, 8), torch.float32, device)
+    cos, sin = tables(1, 3, 8, torch.float32, device, interleaved=False)
+    with pytest.raises(ValueError, match="inplace=True or out="):
+        kernel.rope_rotate_half(q, k, cos, sin, inplace=True, out=(q, k))
 
 
 def test_misaligned_views_take_the_scalar_path(kernel, device):

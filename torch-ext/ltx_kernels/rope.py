@@ -22,22 +22,23 @@ from ._autograd import check_no_grad
 
 def rope_rotate_half(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
-    inplace: bool = False,
+    inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin`` where
-    channel i < R/2 pairs with i + R/2. Returns new (q, k) in q's and k's layouts, or
-    rotates q and k in place."""
-    return _rope(q, k, cos, sin, False, sequence_dim, inplace)
+    channel i < R/2 pairs with i + R/2. Returns new (q, k) in q's and k's layouts, rotates
+    q and k in place, or writes ``out=(q_out, k_out)`` (q's and k's sizes and dtype, any
+    strides with a contiguous last dim; no allocation, for decode loops)."""
+    return _rope(q, k, cos, sin, False, sequence_dim, inplace, out)
 
 
 def rope_interleaved(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
-    inplace: bool = False,
+    inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """diffusers' ``apply_rotary_emb`` with real cos/sin (LTX-Video on ``[B, S, C]`` with
     fp32 ``[B, S, C]`` tables; FLUX per head with fp32 ``[S, D]`` tables): channels
-    (2i, 2i+1) rotate as a pair."""
-    return _rope(q, k, cos, sin, True, sequence_dim, inplace)
+    (2i, 2i+1) rotate as a pair. ``inplace`` and ``out`` as in :func:`rope_rotate_half`."""
+    return _rope(q, k, cos, sin, True, sequence_dim, inplace, out)
 
 
 def qk_norm_rope(
@@ -65,11 +66,17 @@ def qk_norm_rope(
     return out
 
 
-def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace):
+def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace, out):
+    if inplace and out is not None:
+        raise ValueError("rope: pass inplace=True or out=, not both")
     if inplace:
         check_no_grad("rope", q, k)
         ops.rope_(q, k, cos, sin, interleaved, sequence_dim)
         return q, k
+    if out is not None:
+        check_no_grad("rope", q, k)
+        ops.rope_out(out[0], out[1], q, k, cos, sin, interleaved, sequence_dim)
+        return out
     return ops.rope(q, k, cos, sin, interleaved, sequence_dim)
 
 
