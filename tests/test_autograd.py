@@ -193,6 +193,13 @@ def test_out_forms_refuse_autograd(kernel, device):
     with pytest.raises(RuntimeError, match="does not support autograd"):
         kernel.rope_interleaved(x[None], x[None], torch.ones(2, 8, device=device), torch.zeros(2, 8, device=device),
                                 inplace=True)
+    outputs = (torch.empty(1, 2, 8, device=device), torch.empty(1, 2, 8, device=device))
+    with pytest.raises(RuntimeError, match="does not support autograd"):
+        kernel.rope_rotate_half(x[None], x[None], torch.ones(2, 8, device=device), torch.zeros(2, 8, device=device),
+                                out=outputs)
+    cos = torch.ones(2, 8, device=device, requires_grad=True)  # a table that wants a grad, too
+    with pytest.raises(RuntimeError, match="does not support autograd"):
+        kernel.rope_rotate_half(x[None].detach(), x[None].detach(), cos, torch.zeros(2, 8, device=device), out=outputs)
     with torch.no_grad():
         kernel.rms_norm(x, w, out=torch.empty(2, 8, device=device))
 

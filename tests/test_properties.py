@@ -59,7 +59,7 @@ def test_adaln_and_gated_residual_property(kernel, device, data, b, s, d, dtype,
 
 @SETTINGS
 @given(data=st.data(), b=st.integers(1, 2), hq=st.integers(1, 5), hkv=st.integers(1, 3),
-       s=st.one_of(st.integers(1, 12), st.integers(600, 620)),  # many tokens: CUDA's four-heads-per-thread path
+       s=st.one_of(st.integers(1, 12), st.integers(600, 620)),  # many tokens: CUDA's four-heads path where aligned
        half_r=st.integers(1, 40), extra=st.integers(0, 9), dtype=DTYPES, interleaved=st.booleans(),
        fp32_table=st.booleans(), transposed=st.booleans())
 def test_rope_property(kernel, device, data, b, hq, hkv, s, half_r, extra, dtype, interleaved, fp32_table, transposed):

@@ -66,14 +66,15 @@ def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d
 ], ids=["few_d72", "many_tokens", "many_d72_partial"])
 def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, d, rotary, mode, dtype):
     """Random [B, S, R] tables whose halves differ, so a kernel that takes one half's cos
-    or sin for the other fails (real tables are cat(f, f): equal halves). D = 72 gives
-    8-byte but not 16-byte units for 16-bit dtypes; 600+ tokens take CUDA's path of four
-    heads per thread (>= 2 tokens per SM for up to 300 SMs)."""
+    or sin for the other fails (real tables are cat(f, f): equal halves). R = 72 (R/2 = 36
+    channels) gives 8-byte but not 16-byte units for 16-bit dtypes; 600+ tokens take CUDA's
+    path of four heads per thread (>= 2 tokens per SM for up to 300 SMs)."""
     q = make((batch, seq, hq, d), dtype, device).transpose(1, 2)
     k = make((batch, seq, hkv, d), dtype, device).transpose(1, 2)
     cos, sin = (make((batch, seq, rotary), dtype, device) for _ in range(2))
     q_ref, k_ref = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
-    out = (torch.empty_like(q), torch.empty_like(k)) if mode == "out" else None
+    # NaN-filled: a channel the kernel leaves unwritten (the pass-through of R < D) fails.
+    out = (torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))) if mode == "out" else None
     q_out, k_out = kernel.rope_rotate_half(q, k, cos, sin, inplace=mode == "in_place", out=out)
     assert (q_out is q) == (k_out is k) == (mode == "in_place")
     assert out is None or (q_out is out[0] and k_out is out[1])
@@ -129,6 +130,8 @@ def test_inplace_and_out_together_are_refused(kernel, device):
     cos, sin = tables(1, 3, 8, torch.float32, device, interleaved=False)
     with pytest.raises(ValueError, match="inplace=True or out="):
         kernel.rope_rotate_half(q, k, cos, sin, inplace=True, out=(q, k))
+    with pytest.raises(ValueError, match="a pair"):
+        kernel.rope_rotate_half(q, k, cos, sin, out=(q,))
 
 
 def test_misaligned_views_take_the_scalar_path(kernel, device):

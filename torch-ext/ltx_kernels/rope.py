@@ -61,22 +61,30 @@ def qk_norm_rope(
     ``(q, k)``."""
     if out is None:
         return ops.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
-    check_no_grad("qk_norm_rope", q, k, q_weight, k_weight)
-    ops.qk_norm_rope_out(out[0], out[1], q, k, q_weight, k_weight, cos, sin, eps)
-    return out
+    q_out, k_out = _output_pair(out, "qk_norm_rope")
+    check_no_grad("qk_norm_rope", q, k, q_weight, k_weight, cos, sin)
+    ops.qk_norm_rope_out(q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps)
+    return q_out, k_out
+
+
+def _output_pair(out, op: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"{op}: out must be a pair (q_out, k_out)")
+    return out[0], out[1]
 
 
 def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace, out):
     if inplace and out is not None:
         raise ValueError("rope: pass inplace=True or out=, not both")
     if inplace:
-        check_no_grad("rope", q, k)
+        check_no_grad("rope", q, k, cos, sin)
         ops.rope_(q, k, cos, sin, interleaved, sequence_dim)
         return q, k
     if out is not None:
-        check_no_grad("rope", q, k)
-        ops.rope_out(out[0], out[1], q, k, cos, sin, interleaved, sequence_dim)
-        return out
+        q_out, k_out = _output_pair(out, "rope")
+        check_no_grad("rope", q, k, cos, sin)
+        ops.rope_out(q_out, k_out, q, k, cos, sin, interleaved, sequence_dim)
+        return q_out, k_out
     return ops.rope(q, k, cos, sin, interleaved, sequence_dim)
 
 
