@@ -23,8 +23,12 @@ def same_bits(a, b) -> bool:
 
 
 def dims_for(api):
-    # 64 rows of 1000 (rope: 8 heads of 128): enough rows to split over CPU threads
-    return Dims(b=4, s=16, d=128 if "rope" in api.name else 1000, heads=8, rotary=96)
+    # 64 rows of 1000: enough rows to split over CPU threads. RoPE: 8 heads of 128 and
+    # 512 tokens, so on CUDA the whole batch takes the path of four heads per thread
+    # (>= 2 tokens per SM) and one batch entry alone (128 tokens) the one-head path.
+    if "rope" in api.name:
+        return Dims(b=4, s=128, d=128, heads=8, rotary=96)
+    return Dims(b=4, s=16, d=1000, heads=8, rotary=96)
 
 
 def fresh(api, kernel, tensors):
