@@ -222,11 +222,10 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     // 16-byte units of one head take 106 us (and of two or four, 87 us: not worth a
     // fourth instantiation).
     constexpr int kHalfVec = V / 2;
+    if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
     const bool many_tokens = a.batch * a.seq >= 2 * sm_count(a.device.index());
-    if (many_tokens && vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);
-    if (vectorizable<T, C, V>(a)) return launch_with<T, C, false, V, 1>(a, stream);
-    if (vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);
-    return launch_with<T, C, false, 1, 1>(a, stream);  // one channel per unit, unaligned
+    if (many_tokens || !vectorizable<T, C, V>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);
+    return launch_with<T, C, false, V, 1>(a, stream);
   }
 }
 
