@@ -63,6 +63,7 @@ TRANSFORMERS_TAGGED = {
 DIFFUSERS_LAYERS = {
     "diffusers.models.normalization:RMSNorm": "DiffusersRMSNorm",
     "diffusers.models.activations:GEGLU": "GEGLU",
+    "diffusers.models.activations:GELU": "DiffusersGELU",
     "diffusers.models.normalization:AdaLayerNormZero": "AdaLayerNormZero",
     "diffusers.models.normalization:AdaLayerNormZeroSingle": "AdaLayerNormZeroSingle",
     "diffusers.models.normalization:AdaLayerNormContinuous": "AdaLayerNormContinuous",

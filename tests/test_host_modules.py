@@ -159,6 +159,29 @@ def test_diffusers_gelu_tanh(kernel, device):
     close(kernel.gelu(host.proj(x), "tanh"), host(x), torch.bfloat16)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_diffusers_gelu_layer(kernel, device, approximate, dtype, grad):
+    """diffusers' GELU module (LTX, FLUX, SD3 feed-forwards): on CUDA, tanh, 16 bits and no
+    grad, a GEMM epilogue that rounds once where the host rounds the projection and the
+    GELU; otherwise the projection and our gelu, differentiable."""
+    host = randomised(GELU(64, 96, approximate=approximate), device, dtype)
+    x = torch.randn(3, 10, 64, device=device, dtype=dtype, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        y = kernel.layers.DiffusersGELU.forward(host, x)
+        expected = host(x)
+    # |proj(x)| up to ~20 here: a few ulps of that, absolute (fp32: the two GEMMs' orders).
+    close(y, expected, dtype, ulps=3, atol=16 * TOLERANCE[dtype]["rtol"] if dtype != torch.float32 else 1e-4)
+    if grad:
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, [x, host.proj.weight], dy)
+        want = torch.autograd.grad(expected, [x, host.proj.weight], dy)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.float(), w.float(), rtol=4 * TOLERANCE[dtype]["rtol"],
+                                       atol=4 * TOLERANCE[dtype]["rtol"] * w.abs().max().item())
+
+
 def test_gemma_mlp_activation(kernel, device):
     act = ACT2FN["gelu_pytorch_tanh"]
     gate, up = (torch.randn(4, 300, device=device, dtype=torch.bfloat16) for _ in range(2))

@@ -95,7 +95,7 @@ def test_every_layer_follows_the_kernelize_rules(kernel):
     layers = [obj for obj in vars(kernel.layers).values()
               if inspect.isclass(obj) and issubclass(obj, torch.nn.Module) and obj.__module__ == kernel.layers.__name__]
     assert {layer.__name__ for layer in layers} == {
-        "RMSNorm", "RMSNormZeroCentered", "GeluTanh", "ApplyRotaryPosEmb", "DiffusersRMSNorm", "GEGLU",
+        "RMSNorm", "RMSNormZeroCentered", "GeluTanh", "ApplyRotaryPosEmb", "DiffusersRMSNorm", "GEGLU", "DiffusersGELU",
         "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous", "LTXVideoTransformerBlock",
         "LTXAttention"}
     module_members = {name for name, _ in inspect.getmembers(torch.nn.Module)}
