@@ -83,10 +83,11 @@ def test_ltx_video_transformer(device, dtype, per_token_timesteps):
     needs_device(device)
     model = small_ltx(device, dtype)
     counts, ops = compare(model, ltx_inputs(device, dtype, per_token_timesteps), dtype)
-    # 2 blocks: the block, attn1 and attn2 (cross-attention takes the stock path), norm1 and
-    # norm2, the feed-forward's GELU (on CUDA a GEMM epilogue without grad, our gelu on CPU)
+    # 2 blocks: the block, attn1 (fused prologue) and attn2 (cross-attention: its q/k norms
+    # as rms_norm, the text mask as the host prepares it), norm1 and norm2, the
+    # feed-forward's GELU (on CUDA a GEMM epilogue without grad, our gelu on CPU)
     assert counts == {"LTXVideoTransformerBlock": 2, "LTXAttention": 4, "DiffusersRMSNorm": 4, "DiffusersGELU": 2}
-    assert {"adaln", "gated_residual", "gated_residual_adaln", "qk_norm_rope"} <= ops
+    assert {"adaln", "gated_residual", "gated_residual_adaln", "qk_norm_rope", "rms_norm"} <= ops
     assert ("gelu" in ops) == (device == "cpu" or dtype == torch.float32)
 
 

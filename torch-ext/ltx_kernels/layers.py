@@ -385,13 +385,14 @@ class LTXAttention(nn.Module):
     """For diffusers' ``LTXAttention`` with its stock ``LTXVideoAttnProcessor``: the
     self-attention prologue ``norm_q(to_q(x))``, ``norm_k(to_k(x))`` (RMSNorm across all
     heads) and the interleaved RoPE in one `qk_norm_rope` launch (same roundings as the
-    host), then the processor's own attention call: the ``dispatch_attention_fn`` of the
-    module that defines the processor, with its attention backend and parallel config, so
-    attention backends chosen through diffusers still apply.
+    host); in cross-attention (no RoPE) the two norms as `rms_norm`s (one rounding, as
+    torch's fused CUDA RMSNorm rounds). Then the processor's own attention call: the
+    ``dispatch_attention_fn`` of the module that defines the processor, with its attention
+    backend and parallel config, so attention backends chosen through diffusers still apply.
 
-    Cross-attention (no RoPE), attention kwargs, other processors, and q/k the fused
-    prologue does not take (dtypes, norm weights of another dtype, rows over 32 KiB) go to
-    the host's path."""
+    Attention kwargs, other processors, and q/k the kernels do not take (dtypes, norm
+    weights of another dtype, rows over 32 KiB for the fused prologue) go to the host's
+    path; cross-attention with RoPE uses the host's rotation."""
 
     heads: int
     to_q: nn.Module
@@ -408,24 +409,26 @@ class LTXAttention(nn.Module):
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                 **kwargs):
         stock = _stock_ltx_processor_module(self)
-        if (stock is None or kwargs or encoder_hidden_states is not None or image_rotary_emb is None
-                or hidden_states.dim() != 3):
+        if stock is None or kwargs or hidden_states.dim() != 3:
             return type(self).forward(self, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
                                       **kwargs)
-        batch_size, sequence_length, _ = hidden_states.shape
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        batch_size, sequence_length, _ = context.shape
         if attention_mask is not None:
             attention_mask = self.prepare_attention_mask(attention_mask, sequence_length, batch_size)
             attention_mask = attention_mask.view(batch_size, self.heads, -1, attention_mask.shape[-1])
 
         query = self.to_q(hidden_states)
-        key = self.to_k(hidden_states)
-        value = self.to_v(hidden_states)
-        cos, sin = image_rotary_emb
-        if _qk_norm_rope_applies(self, query, key, cos, sin):
+        key = self.to_k(context)
+        value = self.to_v(context)
+        if image_rotary_emb is not None and _qk_norm_rope_applies(self, query, key, *image_rotary_emb):
+            cos, sin = image_rotary_emb
             query, key = qk_norm_rope(query, key, self.norm_q.weight, self.norm_k.weight, cos, sin, self.norm_q.eps)
         else:
-            query = stock.apply_rotary_emb(self.norm_q(query), image_rotary_emb)
-            key = stock.apply_rotary_emb(self.norm_k(key), image_rotary_emb)
+            query, key = _rms_norm_of(self.norm_q, query), _rms_norm_of(self.norm_k, key)
+            if image_rotary_emb is not None:
+                query = stock.apply_rotary_emb(query, image_rotary_emb)
+                key = stock.apply_rotary_emb(key, image_rotary_emb)
 
         query = query.unflatten(2, (self.heads, -1))
         key = key.unflatten(2, (self.heads, -1))
@@ -461,6 +464,16 @@ def _stock_ltx_processor_module(attn: nn.Module):
     if not (hasattr(module, "dispatch_attention_fn") and hasattr(module, "apply_rotary_emb")):
         return None
     return module
+
+
+def _rms_norm_of(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for a ``torch.nn.RMSNorm`` with a weight of x's dtype as one `rms_norm`;
+    the host's module call otherwise."""
+    weight = getattr(norm, "weight", None)
+    if (isinstance(norm, nn.RMSNorm) and weight is not None and isinstance(norm.eps, float)
+            and weight.dtype == x.dtype and norm.normalized_shape == (x.size(-1),) and _rows(x)):
+        return rms_norm(x, weight, norm.eps)
+    return norm(x)
 
 
 def _qk_norm_rope_applies(attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
