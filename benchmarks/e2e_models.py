@@ -15,9 +15,9 @@ its error rather than stopping the run.
 
 Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
 whole models), after warmup; the median is reported. Each kernelized output is compared
-with the eager one. Also a torch.profiler breakdown of the kernels of one kernelized eager
-call per model (LTX: the 49-frame forward; Qwen3: the decode step), a Markdown table, JSON
-(--json) and a PNG bar chart (matplotlib, if importable).
+with the eager one. Also a torch.profiler breakdown of the kernels of one call per model
+in each configuration (LTX: the first video; Qwen3: the decode step), a Markdown table,
+JSON (--json) and a PNG bar chart (matplotlib, if importable).
 
     python benchmarks/e2e_models.py --json benchmarks/results/e2e_h200.json   # on a GPU
     python benchmarks/e2e_models.py --tiny                                    # small models, seconds on CPU
@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,10 +78,11 @@ class Result:
     error: Optional[str] = None
 
 
-def ltx_workloads(model, device, tiny) -> List[Workload]:
+def ltx_workloads(model, device, tiny, videos) -> List[Workload]:
     workloads = []
     text = 8 if tiny else LTX_TEXT_TOKENS
-    for name, (frames, height, width) in (TINY_LTX_LATENTS if tiny else LTX_LATENTS).items():
+    latents = TINY_LTX_LATENTS if tiny else {name: LTX_LATENTS[name] for name in videos}
+    for name, (frames, height, width) in latents.items():
         generator = torch.Generator(device).manual_seed(0)
         tokens = frames * height * width
         inputs = dict(
@@ -143,8 +144,11 @@ def median_ms(fn, device, warmup, repeats) -> float:
     return statistics.median(times)
 
 
-def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options) -> List[Result]:
-    results, eager_outputs = [], {}
+def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options, profiled: Workload,
+                    profile_top) -> Tuple[List[Result], Dict[str, List[dict]]]:
+    """Each configuration's times, and (profile_top > 0) the profile_kernels of one call of
+    ``profiled`` in it, keyed "workload / config"."""
+    results, eager_outputs, profiles = [], {}, {}
     for config in configs:
         unkernelize(model)
         torch._dynamo.reset()  # each configuration compiles its own graphs
@@ -158,6 +162,9 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                 with torch.no_grad():
                     output = workload.run(runner).float()
                     result.ms = median_ms(lambda: workload.run(runner), device, *timing)
+                if profile_top and workload is profiled:
+                    profiles[f"{workload.name} / {config}"] = profile_kernels(lambda: workload.run(runner), device,
+                                                                               profile_top)
             except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
                 result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 print(f"  {workload.name} / {config}: {result.error}", flush=True)
@@ -167,16 +174,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                 print(f"  {workload.name} / {config}: {result.ms:.2f} ms", flush=True)
             results.append(result)
     unkernelize(model)
-    return results
-
-
-def kernelized_profile(model, workload: Workload, kernelize, device, top) -> List[dict]:
-    """profile_kernels of one call of ``workload`` on the kernelized ``model``."""
-    kernelize(model)
-    try:
-        return profile_kernels(lambda: workload.run(model), device, top)
-    finally:
-        unkernelize(model)
+    return results, profiles
 
 
 def profile_kernels(fn, device, top) -> List[dict]:
@@ -273,6 +271,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="ltx,qwen3", help="comma-separated: ltx, qwen3")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--ltx-videos", default=",".join(LTX_LATENTS),
+                        help=f"comma-separated LTX video lengths, of {', '.join(LTX_LATENTS)}")
     parser.add_argument("--warmup", type=int, default=None, help="calls before timing (default 3 on a GPU, 1 on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10 on a GPU, 3 on CPU)")
     parser.add_argument("--no-fullgraph", dest="fullgraph", action="store_false", help="allow graph breaks")
@@ -285,6 +285,9 @@ def main(argv=None):
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
+    videos = [v for v in args.ltx_videos.split(",") if v]
+    if not videos or set(videos) - set(LTX_LATENTS):
+        parser.error(f"--ltx-videos takes some of {', '.join(LTX_LATENTS)}")
     device = args.device
     compile_options = dict(fullgraph=args.fullgraph, backend=args.compile_backend)
     timing = (args.warmup if args.warmup is not None else (3 if device == "cuda" else 1),
@@ -296,17 +299,17 @@ def main(argv=None):
 
     diffusers_logging.set_verbosity_error()  # its note on casting with .to(dtype) is about fp32 modules it has none of
     results: List[Result] = []
-    profiles: Dict[str, List[dict]] = {}  # workload name -> its kernelized profile
+    profiles: Dict[str, List[dict]] = {}  # "workload / config" -> its profile
     if "ltx" in args.models:
         torch.manual_seed(0)
         with torch.device(device):  # random init on the device: seconds, where the CPU takes minutes
             ltx = LTXVideoTransformer3DModel(**(TINY_LTX if args.tiny else {})).to(DTYPE).eval()
-        workloads = ltx_workloads(ltx, device, args.tiny)
+        workloads = ltx_workloads(ltx, device, args.tiny, videos)
         print(f"LTX-Video transformer: {parameters(ltx)} parameters", flush=True)
-        results += benchmark_model(ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options)
-        if args.profile_top:
-            profiles[workloads[0].name] = kernelized_profile(ltx, workloads[0], kernelize_diffusers, device,
-                                                             args.profile_top)
+        model_results, model_profiles = benchmark_model(ltx, workloads, kernelize_diffusers, configs, device, timing,
+                                                        compile_options, workloads[0], args.profile_top)
+        results += model_results
+        profiles.update(model_profiles)
         del ltx, workloads
     if "qwen3" in args.models:
         torch.manual_seed(0)
@@ -314,17 +317,18 @@ def main(argv=None):
             qwen = Qwen3ForCausalLM(Qwen3Config(**(TINY_QWEN3 if args.tiny else QWEN3_8B))).to(DTYPE).eval()
         print(f"Qwen3: {parameters(qwen)} parameters", flush=True)
         workloads = qwen3_workloads(qwen, device, args.tiny)
-        results += benchmark_model(qwen, workloads, kernelize_transformers, configs, device, timing, compile_options)
-        if args.profile_top:  # the decode step: where the per-layer small kernels show
-            profiles[workloads[-1].name] = kernelized_profile(qwen, workloads[-1], kernelize_transformers, device,
-                                                              args.profile_top)
+        # the decode step profiled: where the per-layer small kernels show
+        model_results, model_profiles = benchmark_model(qwen, workloads, kernelize_transformers, configs, device,
+                                                        timing, compile_options, workloads[-1], args.profile_top)
+        results += model_results
+        profiles.update(model_profiles)
         del qwen, workloads
 
     env = environment(device)
     print(f"\n{env['device']}, torch {env['torch']}, {DTYPE}, median of {timing[1]} after {timing[0]} warmup\n")
     print(markdown(results, configs))
-    for workload, profile in profiles.items():
-        print(f"\nWhere the kernelized eager {workload} spends its time (top {len(profile)}):\n")
+    for workload_config, profile in profiles.items():
+        print(f"\nWhere {workload_config} spends its time (top {len(profile)}):\n")
         print("| kernel | calls | ms | % |\n|---|---|---|---|")
         for row in profile:
             print(f"| {row['name'][:90]} | {row['calls']} | {row['ms']:.3f} | {row['percent']:.1f} |")

@@ -40,8 +40,12 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
         else:
             assert r["replaced"] == {} and r["max_abs_diff"] == 0.0, r
     assert report["compile"] == {"fullgraph": True, "backend": "eager"}
-    ltx_profile, qwen_profile = (report["profiles"][w] for w in (results[0]["workload"], results[-1]["workload"]))
-    assert any("qk_norm_rope" in row["name"] for row in ltx_profile)
-    assert any("rms_norm" in row["name"] for row in qwen_profile)
+    ltx, qwen3_decode = results[0]["workload"], results[-1]["workload"]
+    profiles = report["profiles"]
+    assert set(profiles) == {f"{w} / {c}" for w in (ltx, qwen3_decode) for c in bench.CONFIGS}
+    for config in bench.CONFIGS:
+        kernelized = config.endswith("+kernels")
+        assert any("qk_norm_rope" in row["name"] for row in profiles[f"{ltx} / {config}"]) == kernelized
+    assert any("rms_norm" in row["name"] for row in profiles[f"{qwen3_decode} / eager+kernels"])
     table = capsys.readouterr().out
     assert "| workload | eager (ms) | eager+kernels (ms) | compile (ms) | compile+kernels (ms) |" in table
