@@ -62,6 +62,7 @@ class Run:
     step_ms: List[float] = field(default_factory=list)
     it_per_s: Optional[float] = None
     decode_s: Optional[float] = None
+    video_shape: List[int] = field(default_factory=list)  # decoded [B, C, frames, height, width]
     total_s: Optional[float] = None
     speedup_denoise: Optional[float] = None  # vs baseline
     speedup_total: Optional[float] = None
@@ -128,7 +129,7 @@ def decode(pipe, latents, args):
 
 
 def generate(pipe, args, embeddings):
-    """One generation: (final latents, per-step ms, denoise s, decode s)."""
+    """One generation: (final latents, per-step ms, denoise s, decode s, decoded video shape)."""
     step_ends = []
 
     def on_step_end(pipeline, step, timestep, tensors):
@@ -145,12 +146,12 @@ def generate(pipe, args, embeddings):
                        return_dict=False, callback_on_step_end=on_step_end, **embeddings)[0]
         synchronize(args.device)
         denoised = time.perf_counter()
-        decode(pipe, latents, args)
+        video = decode(pipe, latents, args)
         synchronize(args.device)
     decoded = time.perf_counter()
     steps = [start, *step_ends]
     step_ms = [(b - a) * 1e3 for a, b in zip(steps, steps[1:])]
-    return latents.float(), step_ms, denoised - start, decoded - denoised
+    return latents.float(), step_ms, denoised - start, decoded - denoised, list(video.shape)
 
 
 def configure(pipe, transformer, config, args) -> Dict[str, int]:
@@ -179,7 +180,7 @@ def benchmark(pipe, args, embeddings, configs) -> List[Run]:
             run.replaced = configure(pipe, transformer, config, args)
             for _ in range(args.warmup_iterations):
                 generate(pipe, args, embeddings)
-            latents, run.step_ms, run.denoise_s, run.decode_s = generate(pipe, args, embeddings)
+            latents, run.step_ms, run.denoise_s, run.decode_s, run.video_shape = generate(pipe, args, embeddings)
         except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
             run.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             print(f"{config}: {run.error}", flush=True)

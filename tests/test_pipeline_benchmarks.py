@@ -46,6 +46,8 @@ def test_ltx_pipeline_tiny_all(tmp_path):
         assert run["error"] is None, config
         assert len(run["step_ms"]) == result["steps"]
         assert run["denoise_s"] > 0 and run["decode_s"] > 0 and run["it_per_s"] > 0
+        # the decode timed is the whole video: every frame at full resolution
+        assert run["video_shape"] == [1, 3, result["num_frames"], result["height"], result["width"]], config
         assert run["speedup_denoise"] > 0 and run["speedup_total"] > 0
         assert bool(run["replaced"]) == config.endswith("kernels"), config
         # bf16 through 3 steps of a random model: the fused layers round differently, no more
