@@ -273,6 +273,9 @@ def main(argv=None):
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--ltx-videos", default=",".join(LTX_LATENTS),
                         help=f"comma-separated LTX video lengths, of {', '.join(LTX_LATENTS)}")
+    parser.add_argument("--fuse-qkv", action="store_true",
+                        help="call diffusers' fuse_qkv_projections() on LTX first (every configuration; the stock "
+                             "processor ignores it, the kernelized attention projects q, k, v in one GEMM)")
     parser.add_argument("--warmup", type=int, default=None, help="calls before timing (default 3 on a GPU, 1 on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 10 on a GPU, 3 on CPU)")
     parser.add_argument("--no-fullgraph", dest="fullgraph", action="store_false", help="allow graph breaks")
@@ -304,6 +307,8 @@ def main(argv=None):
         torch.manual_seed(0)
         with torch.device(device):  # random init on the device: seconds, where the CPU takes minutes
             ltx = LTXVideoTransformer3DModel(**(TINY_LTX if args.tiny else {})).to(DTYPE).eval()
+        if args.fuse_qkv:
+            ltx.fuse_qkv_projections()
         workloads = ltx_workloads(ltx, device, args.tiny, videos)
         print(f"LTX-Video transformer: {parameters(ltx)} parameters", flush=True)
         model_results, model_profiles = benchmark_model(ltx, workloads, kernelize_diffusers, configs, device, timing,
@@ -334,7 +339,7 @@ def main(argv=None):
             print(f"| {row['name'][:90]} | {row['calls']} | {row['ms']:.3f} | {row['percent']:.1f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(environment=env, tiny=args.tiny, timing=dict(warmup=timing[0],
+        args.json.write_text(json.dumps(dict(environment=env, tiny=args.tiny, fuse_qkv=args.fuse_qkv, timing=dict(warmup=timing[0],
                              repeats=timing[1]), compile=compile_options, results=[asdict(r) for r in results],
                              profiles=profiles), indent=2))
         print(f"\njson: {args.json}")

@@ -91,6 +91,26 @@ def test_ltx_video_transformer(device, dtype, per_token_timesteps):
     assert ("gelu" in ops) == (device == "cpu" or dtype == torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_ltx_fused_qkv_projections(device, dtype):
+    """After diffusers' fuse_qkv_projections(), the kernelized self-attention projects
+    through to_qkv (the stock processor keeps calling to_q/to_k/to_v: it is the reference)
+    and hands q and k to qk_norm_rope as strided views of that one output."""
+    needs_device(device)
+    model = small_ltx(device, dtype)
+    model.fuse_qkv_projections()
+    called = {"to_q": 0, "to_qkv": 0}
+    for block in model.transformer_blocks:
+        for name in called:
+            getattr(block.attn1, name).register_forward_hook(
+                lambda *_, name=name: called.__setitem__(name, called[name] + 1))
+    counts, ops = compare(model, ltx_inputs(device, dtype), dtype)
+    assert counts["LTXAttention"] == 4 and "qk_norm_rope" in ops
+    # 2 blocks: the stock copy calls to_q, the kernelized model to_qkv (hooks are deep-copied)
+    assert called == {"to_q": 2, "to_qkv": 2}
+
+
 def test_ltx_unsupported_configurations_are_left_alone():
     """Affine block norms (the block is not fused; its RMSNorms are) and a custom attention
     processor (that attention keeps its stock forward)."""

@@ -49,3 +49,15 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
     assert any("rms_norm" in row["name"] for row in profiles[f"{qwen3_decode} / eager+kernels"])
     table = capsys.readouterr().out
     assert "| workload | eager (ms) | eager+kernels (ms) | compile (ms) | compile+kernels (ms) |" in table
+
+
+def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
+    """--fuse-qkv: the same outputs, the kernelized attention through diffusers' to_qkv."""
+    bench = load_benchmark()
+    out = tmp_path / "e2e.json"
+    bench.main(["--tiny", "--device", "cpu", "--models", "ltx", "--configs", "eager,eager+kernels", "--fuse-qkv",
+                "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["fuse_qkv"] is True
+    kernelized = [r for r in report["results"] if r["config"] == "eager+kernels"]
+    assert kernelized and all(r["error"] is None and r["max_abs_diff"] < 5e-2 for r in kernelized), kernelized

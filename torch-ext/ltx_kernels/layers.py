@@ -390,6 +390,11 @@ class LTXAttention(nn.Module):
     ``dispatch_attention_fn`` of the module that defines the processor, with its attention
     backend and parallel config, so attention backends chosen through diffusers still apply.
 
+    After diffusers' ``fuse_qkv_projections()`` (``fused_projections`` set, ``to_qkv`` /
+    ``to_kv`` built beside the separate projections, which the stock processor keeps
+    using), self-attention projects q, k and v in one GEMM and cross-attention k and v in
+    one; q and k then go to the kernels as strided views of that output.
+
     Attention kwargs, other processors, and q/k the kernels do not take (dtypes, norm
     weights of another dtype, rows over 32 KiB for the fused prologue) go to the host's
     path; cross-attention with RoPE uses the host's rotation."""
@@ -418,9 +423,7 @@ class LTXAttention(nn.Module):
             attention_mask = self.prepare_attention_mask(attention_mask, sequence_length, batch_size)
             attention_mask = attention_mask.view(batch_size, self.heads, -1, attention_mask.shape[-1])
 
-        query = self.to_q(hidden_states)
-        key = self.to_k(context)
-        value = self.to_v(context)
+        query, key, value = _projections(self, hidden_states, encoder_hidden_states)
         if image_rotary_emb is not None and _qk_norm_rope_applies(self, query, key, *image_rotary_emb):
             cos, sin = image_rotary_emb
             query, key = qk_norm_rope(query, key, self.norm_q.weight, self.norm_k.weight, cos, sin, self.norm_q.eps)
@@ -464,6 +467,21 @@ def _stock_ltx_processor_module(attn: nn.Module):
     if not (hasattr(module, "dispatch_attention_fn") and hasattr(module, "apply_rotary_emb")):
         return None
     return module
+
+
+def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor]):
+    """q, k, v: through diffusers' fused ``to_qkv`` (self-attention) or ``to_kv``
+    (cross-attention) when ``fuse_projections`` built them, else the three projections."""
+    fused = getattr(attn, "fused_projections", False)
+    sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
+    if encoder_hidden_states is None:
+        if fused and getattr(attn, "to_qkv", None) is not None:
+            return attn.to_qkv(hidden_states).split(sizes, dim=-1)
+        return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    query = attn.to_q(hidden_states)
+    if fused and getattr(attn, "to_kv", None) is not None:
+        return (query, *attn.to_kv(encoder_hidden_states).split(sizes[1:], dim=-1))
+    return query, attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
 
 
 def _rms_norm_of(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
