@@ -473,14 +473,15 @@ def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_st
     """q, k, v: through diffusers' fused ``to_qkv`` (self-attention) or ``to_kv``
     (cross-attention) when ``fuse_projections`` built them, else the three projections."""
     fused = getattr(attn, "fused_projections", False)
-    sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
     if encoder_hidden_states is None:
         if fused and getattr(attn, "to_qkv", None) is not None:
+            sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
             return attn.to_qkv(hidden_states).split(sizes, dim=-1)
         return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
     query = attn.to_q(hidden_states)
     if fused and getattr(attn, "to_kv", None) is not None:
-        return (query, *attn.to_kv(encoder_hidden_states).split(sizes[1:], dim=-1))
+        key, value = attn.to_kv(encoder_hidden_states).split([attn.to_k.out_features, attn.to_v.out_features], dim=-1)
+        return query, key, value
     return query, attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
 
 
