@@ -162,17 +162,26 @@ def test_diffusers_gelu_tanh(kernel, device):
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
-def test_diffusers_gelu_layer(kernel, device, approximate, dtype, grad):
+def test_diffusers_gelu_layer(kernel, device, approximate, dtype, grad, monkeypatch):
     """diffusers' GELU module (LTX, FLUX, SD3 feed-forwards): on CUDA, tanh, 16 bits and no
     grad, a GEMM epilogue that rounds once where the host rounds the projection and the
-    GELU; otherwise the projection and our gelu, differentiable."""
+    GELU; otherwise the projection and our gelu of the host's form, differentiable."""
+    epilogue_calls = []
+    addmm_activation = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *args, **kwargs: epilogue_calls.append(1) or addmm_activation(*args, **kwargs))
     host = randomised(GELU(64, 96, approximate=approximate), device, dtype)
     x = torch.randn(3, 10, 64, device=device, dtype=dtype, requires_grad=grad)
     with torch.set_grad_enabled(grad):
         y = kernel.layers.DiffusersGELU.forward(host, x)
         expected = host(x)
+    assert bool(epilogue_calls) == (device == "cuda" and approximate == "tanh" and dtype != torch.float32
+                                    and not grad)
     # |proj(x)| up to ~20 here: a few ulps of that, absolute (fp32: the two GEMMs' orders).
     close(y, expected, dtype, ulps=3, atol=16 * TOLERANCE[dtype]["rtol"] if dtype != torch.float32 else 1e-4)
+    if dtype == torch.float32:  # the form: erf and tanh GELU differ by up to 4.7e-4
+        exact = torch.nn.functional.gelu(host.proj(x).double(), approximate=approximate)
+        torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-5)
     if grad:
         dy = torch.randn_like(y)
         got = torch.autograd.grad(y, [x, host.proj.weight], dy)
@@ -180,6 +189,23 @@ def test_diffusers_gelu_layer(kernel, device, approximate, dtype, grad):
         for g, w in zip(got, want):
             torch.testing.assert_close(g.float(), w.float(), rtol=4 * TOLERANCE[dtype]["rtol"],
                                        atol=4 * TOLERANCE[dtype]["rtol"] * w.abs().max().item())
+
+
+def test_diffusers_gelu_layer_calls_a_wrapped_projection(kernel, device, monkeypatch):
+    """A projection with a forward hook (as LoRA, offload and quantization wrappers work)
+    is called, not read around: no GEMM epilogue then, on CUDA either."""
+    epilogue_calls = []
+    addmm_activation = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *args, **kwargs: epilogue_calls.append(1) or addmm_activation(*args, **kwargs))
+    host = randomised(GELU(64, 96, approximate="tanh"), device, torch.bfloat16)
+    host.proj.register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(3, 10, 64, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = kernel.layers.DiffusersGELU.forward(host, x)
+        expected = host(x)
+    assert not epilogue_calls
+    close(y, expected, torch.bfloat16, ulps=3, atol=32 * TOLERANCE[torch.bfloat16]["rtol"])
 
 
 def test_gemma_mlp_activation(kernel, device):

@@ -52,7 +52,8 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
 
 
 def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
-    """--fuse-qkv: the same outputs, the kernelized attention through diffusers' to_qkv."""
+    """--fuse-qkv runs (the fused projections' use is counted in
+    test_integration_diffusers.py) and the kernelized outputs still match."""
     bench = load_benchmark()
     out = tmp_path / "e2e.json"
     bench.main(["--tiny", "--device", "cpu", "--models", "ltx", "--configs", "eager,eager+kernels", "--fuse-qkv",

@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ._autograd import records_grad
 from .activations import geglu, gelu
 from .norms import adaln, gated_residual, gated_residual_adaln, rms_norm
 from .rope import qk_norm_rope, rope_rotate_half
@@ -204,13 +205,15 @@ class DiffusersGELU(nn.Module):
     """For ``diffusers.models.activations.GELU``, the feed-forward input of LTX-Video,
     FLUX, SD3 and PixArt: ``F.gelu(proj(x), approximate)``.
 
-    On CUDA with the tanh form, a bias, fp16 or bf16, and no grad to record, the GELU runs
-    in the projection GEMM's epilogue (cuBLASLt through ``torch._addmm_activation``, which
-    applies the tanh form on CUDA and rounds once): LTX 2B's FF [5376, 2048] x [2048, 8192]
-    took 290.6 us against 321.1 us for the linear and GELU on the H200. That op has no
-    autograd, and on the CPU it applies the erf form. Otherwise: the projection, then our
-    `gelu` in one pass, or under torch.compile the host's code (inductor fuses the bias
-    and the GELU into one kernel itself)."""
+    On CUDA with the tanh form, a plain ``nn.Linear`` projection (no subclass, hooks or
+    LoRA wrapper: those work through its forward, which this path does not call) with a
+    bias, fp16 or bf16, and no grad to record, the GELU runs in the projection GEMM's
+    epilogue (cuBLASLt through ``torch._addmm_activation``, which applies the tanh form on
+    CUDA and rounds once), eager or compiled (inductor keeps the call): LTX 2B's FF
+    [5376, 2048] x [2048, 8192] took 290.6 us against 321.1 us for the linear and GELU on
+    the H200. That op has no autograd, and on the CPU it applies the erf form. Otherwise:
+    ``proj``, then our `gelu` in one pass, or under torch.compile the host's code (inductor
+    fuses the bias and the GELU into one kernel itself)."""
 
     proj: nn.Linear
     approximate: str
@@ -220,11 +223,11 @@ class DiffusersGELU(nn.Module):
 
     def forward(self, hidden_states):
         proj = self.proj
-        records_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden_states, proj.weight, proj.bias))
-        if (self.approximate == "tanh" and hidden_states.is_cuda and proj.bias is not None and not records_grad
+        if (self.approximate == "tanh" and hidden_states.is_cuda and _plain_linear(proj) and proj.bias is not None
+                and not records_grad(hidden_states, proj.weight, proj.bias)
                 and hidden_states.dtype in (torch.float16, torch.bfloat16)
-                and proj.weight.dtype == proj.bias.dtype == hidden_states.dtype):
+                and proj.weight.dtype == proj.bias.dtype == hidden_states.dtype
+                and proj.weight.device == hidden_states.device):
             flat = hidden_states.reshape(-1, hidden_states.size(-1))
             out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
             return out.view(*hidden_states.shape[:-1], out.size(-1))
@@ -390,10 +393,16 @@ class LTXAttention(nn.Module):
     ``dispatch_attention_fn`` of the module that defines the processor, with its attention
     backend and parallel config, so attention backends chosen through diffusers still apply.
 
-    After diffusers' ``fuse_qkv_projections()`` (``fused_projections`` set, ``to_qkv`` /
-    ``to_kv`` built beside the separate projections, which the stock processor keeps
-    using), self-attention projects q, k and v in one GEMM and cross-attention k and v in
-    one; q and k then go to the kernels as strided views of that output.
+    After diffusers' ``fuse_qkv_projections()`` (``fused_projections`` set, ``to_qkv``
+    built beside the separate projections, which the stock processor keeps using),
+    self-attention projects q, k and v in one GEMM without grad, when ``to_q``, ``to_k``,
+    ``to_v`` are still plain ``nn.Linear``s (a LoRA wrapper or hook sends it back to the
+    three); q and k go to the kernels as strided views of that output. Cross-attention does
+    the same with ``to_kv``, which diffusers builds only for an attention marked
+    ``is_cross_attention`` (LTX's are not: it builds an unused ``to_qkv`` there). The fused
+    weights are copies made at fusing: weights changed in place afterwards need
+    ``unfuse_qkv_projections()`` and a new ``fuse_qkv_projections()``, as for diffusers'
+    own processors that use them.
 
     Attention kwargs, other processors, and q/k the kernels do not take (dtypes, norm
     weights of another dtype, rows over 32 KiB for the fused prologue) go to the host's
@@ -469,10 +478,22 @@ def _stock_ltx_processor_module(attn: nn.Module):
     return module
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (no subclass, quantized weight, LoRA wrapper, forward hook
+    or patched forward): its output is ``F.linear(x, weight, bias)``, so a path that reads
+    its weight without calling it computes the same."""
+    return (type(module) is nn.Linear and type(module.weight) is nn.Parameter and not module._forward_hooks
+            and not module._forward_pre_hooks and "forward" not in vars(module))
+
+
 def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor]):
     """q, k, v: through diffusers' fused ``to_qkv`` (self-attention) or ``to_kv``
-    (cross-attention) when ``fuse_projections`` built them, else the three projections."""
-    fused = getattr(attn, "fused_projections", False)
+    (cross-attention) when ``fuse_projections`` built them, no grad is recorded and the
+    separate projections are plain ``nn.Linear``s (so the fused copy is of what they
+    compute); else the three projections."""
+    separate = (attn.to_q, attn.to_k, attn.to_v)
+    fused = (getattr(attn, "fused_projections", False) and all(_plain_linear(p) for p in separate)
+             and not records_grad(hidden_states, *(p.weight for p in separate)))
     if encoder_hidden_states is None:
         if fused and getattr(attn, "to_qkv", None) is not None:
             sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
@@ -485,25 +506,25 @@ def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_st
     return query, attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
 
 
+def _weighted_rms_norm(norm: nn.Module, x: torch.Tensor) -> bool:
+    """norm is a ``torch.nn.RMSNorm`` over x's last dim with a weight of x's dtype and a
+    float eps: what `rms_norm` and `qk_norm_rope` compute with one rounding."""
+    return (isinstance(norm, nn.RMSNorm) and norm.weight is not None and isinstance(norm.eps, float)
+            and norm.weight.dtype == x.dtype and norm.normalized_shape == (x.size(-1),))
+
+
 def _rms_norm_of(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)`` for a ``torch.nn.RMSNorm`` with a weight of x's dtype as one `rms_norm`;
-    the host's module call otherwise."""
-    weight = getattr(norm, "weight", None)
-    if (isinstance(norm, nn.RMSNorm) and weight is not None and isinstance(norm.eps, float)
-            and weight.dtype == x.dtype and norm.normalized_shape == (x.size(-1),) and _rows(x)):
-        return rms_norm(x, weight, norm.eps)
+    """``norm(x)`` as one `rms_norm` where it applies; the host's module call otherwise."""
+    if _weighted_rms_norm(norm, x) and _rows(x):
+        return rms_norm(x, norm.weight, norm.eps)
     return norm(x)
 
 
 def _qk_norm_rope_applies(attn: nn.Module, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor) -> bool:
     norm_q, norm_k = attn.norm_q, attn.norm_k
-    if not (isinstance(norm_q, nn.RMSNorm) and isinstance(norm_k, nn.RMSNorm)):
-        return False
-    q_weight, k_weight = norm_q.weight, norm_k.weight
-    return (q_weight is not None and k_weight is not None and isinstance(norm_q.eps, float)
-            and norm_q.eps == norm_k.eps and query.shape == key.shape and _on_kernel(query)
-            and query.dtype == key.dtype == q_weight.dtype == k_weight.dtype
+    return (_weighted_rms_norm(norm_q, query) and _weighted_rms_norm(norm_k, key) and norm_q.eps == norm_k.eps
+            and query.shape == key.shape and query.dtype == key.dtype and _on_kernel(query)
             and query.size(-1) * query.element_size() <= QK_NORM_ROPE_MAX_ROW_BYTES
             and cos.shape == sin.shape and cos.dim() in (2, 3) and cos.shape[-2:] == query.shape[-2:]
             and cos.dtype in (torch.float32, query.dtype))
