@@ -226,6 +226,9 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-iterations", type=int, default=2, help="untimed generations before the timed one")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="local path or Hub id of a diffusers LTX-Video repo")
     parser.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (needs accelerate)")
+    parser.add_argument("--fuse-qkv", action="store_true",
+                        help="diffusers' transformer.fuse_qkv_projections() first (every configuration: the stock "
+                             "processor ignores it, the kernelized attention projects q, k, v in one GEMM)")
     parser.add_argument("--tiny", action="store_true",
                         help=f"tiny transformer and VAE, {TINY_SIZE['num_frames']} frames at "
                              f"{TINY_SIZE['height']}x{TINY_SIZE['width']}, {TINY_SIZE['steps']} steps (CI on CPU)")
@@ -253,6 +256,8 @@ def main(argv=None) -> dict:
     diffusers_logging.set_verbosity_error()  # keep the output to the progress bars and the results
     pipe, random_weights = load_pipeline(args, dtype)
     pipe.to(args.device)
+    if args.fuse_qkv:
+        pipe.transformer.fuse_qkv_projections()
     embeddings = prompt_embeddings(pipe, args, dtype, random_weights)
     device = device_name(args.device)
     print(f"{device}, {args.dtype}, {args.width}x{args.height}, {args.num_frames} frames, {args.steps} steps, "
@@ -263,7 +268,8 @@ def main(argv=None) -> dict:
     return finish(args, dict(model=args.model, random_weights=random_weights, tiny=args.tiny, device=device,
                              dtype=args.dtype, width=args.width, height=args.height, num_frames=args.num_frames,
                              steps=args.steps, batch_size=args.batch_size, warmup_iterations=args.warmup_iterations,
-                             cpu_offload=args.cpu_offload, compile_backend=args.compile_backend), runs)
+                             cpu_offload=args.cpu_offload, fuse_qkv=args.fuse_qkv,
+                             compile_backend=args.compile_backend), runs)
 
 
 if __name__ == "__main__":

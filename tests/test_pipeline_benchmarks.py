@@ -56,6 +56,18 @@ def test_ltx_pipeline_tiny_all(tmp_path):
     assert runs["kernels"]["replaced"].get("LTXVideoTransformerBlock") == 2
 
 
+def test_ltx_pipeline_tiny_fused_qkv(tmp_path):
+    """--fuse-qkv: every configuration runs on the fused transformer (the kernelized one
+    projects through to_qkv: counted in test_integration_diffusers.py), latents as close."""
+    output = tmp_path / "ltx.json"
+    load_script("ltx_pipeline").main([*TINY_ARGS, "--fuse-qkv", "--output", str(output)])
+    result = json.loads(output.read_text())
+    assert result["fuse_qkv"] is True
+    for run in result["runs"]:
+        assert run["error"] is None, run["config"]
+        assert run["latents_max_abs_diff"] < 0.1 and run["latents_mean_abs_diff"] < 0.01, run["config"]
+
+
 def test_qwen3_generate_tiny_all(tmp_path):
     output = tmp_path / "qwen3.json"
     load_script("qwen3_generate").main([*TINY_ARGS, "--output", str(output)])
