@@ -16,8 +16,9 @@ its error rather than stopping the run.
 Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
 whole models), after warmup; the median is reported. Each kernelized output is compared
 with the eager one. Also a torch.profiler breakdown of the kernels of one call per model
-in each configuration (LTX: the first video; Qwen3: the decode step), a Markdown table,
-JSON (--json) and a PNG bar chart (matplotlib, if importable).
+in each configuration (LTX: the first video; Qwen3: the decode step) with, on a GPU, that
+call's timeline (kernels, busy time, span, gaps), a Markdown table, JSON (--json) and a
+PNG bar chart (matplotlib, if importable).
 
     python benchmarks/e2e_models.py --json benchmarks/results/e2e_h200.json   # on a GPU
     python benchmarks/e2e_models.py --tiny                                    # small models, seconds on CPU
@@ -29,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -145,10 +147,10 @@ def median_ms(fn, device, warmup, repeats) -> float:
 
 
 def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options, profiled: Workload,
-                    profile_top) -> Tuple[List[Result], Dict[str, List[dict]]]:
+                    profile_top) -> Tuple[List[Result], Dict[str, List[dict]], Dict[str, Optional[dict]]]:
     """Each configuration's times, and (profile_top > 0) the profile_kernels of one call of
-    ``profiled`` in it, keyed "workload / config"."""
-    results, eager_outputs, profiles = [], {}, {}
+    ``profiled`` in it and its GPU timeline, both keyed "workload / config"."""
+    results, eager_outputs, profiles, timelines = [], {}, {}, {}
     for config in configs:
         unkernelize(model)
         torch._dynamo.reset()  # each configuration compiles its own graphs
@@ -163,8 +165,8 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                     output = workload.run(runner).float()
                     result.ms = median_ms(lambda: workload.run(runner), device, *timing)
                 if profile_top and workload is profiled:
-                    profiles[f"{workload.name} / {config}"] = profile_kernels(lambda: workload.run(runner), device,
-                                                                               profile_top)
+                    key = f"{workload.name} / {config}"
+                    profiles[key], timelines[key] = profile_kernels(lambda: workload.run(runner), device, profile_top)
             except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
                 result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 print(f"  {workload.name} / {config}: {result.error}", flush=True)
@@ -174,11 +176,16 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                 print(f"  {workload.name} / {config}: {result.ms:.2f} ms", flush=True)
             results.append(result)
     unkernelize(model)
-    return results, profiles
+    return results, profiles, timelines
 
 
-def profile_kernels(fn, device, top) -> List[dict]:
-    """The ``top`` kernels (CUDA) or ops (CPU) by their own time in one call of ``fn``."""
+# Chrome-trace categories of work on the GPU timeline.
+DEVICE_TRACE_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
+
+
+def profile_kernels(fn, device, top) -> Tuple[List[dict], Optional[dict]]:
+    """The ``top`` kernels (CUDA) or ops (CPU) by their own time in one call of ``fn``, and
+    on CUDA the call's GPU timeline (see `timeline`)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -196,8 +203,35 @@ def profile_kernels(fn, device, top) -> List[dict]:
     total = sum(us.values())
     counts = {e.key: e.count for e in events}
     ranked = sorted(us, key=us.get, reverse=True)[:top]
-    return [dict(name=name, calls=counts[name], ms=us[name] / 1e3, percent=100 * us[name] / total)
+    rows = [dict(name=name, calls=counts[name], ms=us[name] / 1e3, percent=100 * us[name] / total)
             for name in ranked]
+    if not on_device:
+        return rows, None
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        trace_events = json.loads(trace.read_text())["traceEvents"]
+    return rows, timeline([(e["ts"], e["ts"] + e["dur"]) for e in trace_events
+                           if e.get("cat") in DEVICE_TRACE_CATEGORIES])
+
+
+def timeline(intervals) -> dict:
+    """GPU work of one call from its (start, end) intervals in us: how many, the span from
+    the first start to the last end, the time some work ran (their union) and the gaps
+    (span - busy: launch spacing and waits for the host)."""
+    if not intervals:
+        return dict(kernels=0, span_ms=0.0, busy_ms=0.0, gaps_ms=0.0)
+    ordered = sorted(intervals)
+    busy, run_start, run_end = 0.0, *ordered[0]
+    for start, end in ordered[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+    busy += run_end - run_start
+    span = run_end - ordered[0][0]  # the last merged run ends last
+    return dict(kernels=len(ordered), span_ms=span / 1e3, busy_ms=busy / 1e3, gaps_ms=(span - busy) / 1e3)
 
 
 def markdown(results: List[Result], configs) -> str:
@@ -303,6 +337,7 @@ def main(argv=None):
     diffusers_logging.set_verbosity_error()  # its note on casting with .to(dtype) is about fp32 modules it has none of
     results: List[Result] = []
     profiles: Dict[str, List[dict]] = {}  # "workload / config" -> its profile
+    timelines: Dict[str, Optional[dict]] = {}  # "workload / config" -> its GPU timeline (None on CPU)
     if "ltx" in args.models:
         torch.manual_seed(0)
         with torch.device(device):  # random init on the device: seconds, where the CPU takes minutes
@@ -311,10 +346,12 @@ def main(argv=None):
             ltx.fuse_qkv_projections()
         workloads = ltx_workloads(ltx, device, args.tiny, videos)
         print(f"LTX-Video transformer: {parameters(ltx)} parameters", flush=True)
-        model_results, model_profiles = benchmark_model(ltx, workloads, kernelize_diffusers, configs, device, timing,
-                                                        compile_options, workloads[0], args.profile_top)
+        model_results, model_profiles, model_timelines = benchmark_model(
+            ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options, workloads[0],
+            args.profile_top)
         results += model_results
         profiles.update(model_profiles)
+        timelines.update(model_timelines)
         del ltx, workloads
     if "qwen3" in args.models:
         torch.manual_seed(0)
@@ -323,10 +360,12 @@ def main(argv=None):
         print(f"Qwen3: {parameters(qwen)} parameters", flush=True)
         workloads = qwen3_workloads(qwen, device, args.tiny)
         # the decode step profiled: where the per-layer small kernels show
-        model_results, model_profiles = benchmark_model(qwen, workloads, kernelize_transformers, configs, device,
-                                                        timing, compile_options, workloads[-1], args.profile_top)
+        model_results, model_profiles, model_timelines = benchmark_model(
+            qwen, workloads, kernelize_transformers, configs, device, timing, compile_options, workloads[-1],
+            args.profile_top)
         results += model_results
         profiles.update(model_profiles)
+        timelines.update(model_timelines)
         del qwen, workloads
 
     env = environment(device)
@@ -337,11 +376,15 @@ def main(argv=None):
         print("| kernel | calls | ms | % |\n|---|---|---|---|")
         for row in profile:
             print(f"| {row['name'][:90]} | {row['calls']} | {row['ms']:.3f} | {row['percent']:.1f} |")
+        line = timelines.get(workload_config)
+        if line:
+            print(f"\nGPU timeline of that call: {line['kernels']} kernels, busy {line['busy_ms']:.2f} ms of a "
+                  f"{line['span_ms']:.2f} ms span from the first kernel to the last (gaps {line['gaps_ms']:.2f} ms)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(environment=env, tiny=args.tiny, fuse_qkv=args.fuse_qkv, timing=dict(warmup=timing[0],
                              repeats=timing[1]), compile=compile_options, results=[asdict(r) for r in results],
-                             profiles=profiles), indent=2))
+                             profiles=profiles, timelines=timelines), indent=2))
         print(f"\njson: {args.json}")
         plot(results, configs, args.json.with_suffix(".png"))
     return results

@@ -47,6 +47,7 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
         kernelized = config.endswith("+kernels")
         assert any("qk_norm_rope" in row["name"] for row in profiles[f"{ltx} / {config}"]) == kernelized
     assert any("rms_norm" in row["name"] for row in profiles[f"{qwen3_decode} / eager+kernels"])
+    assert report["timelines"] == {key: None for key in profiles}  # GPU timelines only
     table = capsys.readouterr().out
     assert "| workload | eager (ms) | eager+kernels (ms) | compile (ms) | compile+kernels (ms) |" in table
 
@@ -62,3 +63,13 @@ def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
     assert report["fuse_qkv"] is True
     kernelized = [r for r in report["results"] if r["config"] == "eager+kernels"]
     assert kernelized and all(r["error"] is None and r["max_abs_diff"] < 5e-2 for r in kernelized), kernelized
+
+
+def test_timeline_merges_overlapping_work_and_counts_the_gaps():
+    """Busy time is the union of the intervals (work on two streams overlaps), the span
+    runs from the first start to the last end, whatever the order they come in."""
+    bench = load_benchmark()
+    # runs [0, 5], [10, 40] (two overlapping) and [45, 50] (one inside another), in us
+    line = bench.timeline([(10.0, 30.0), (0.0, 5.0), (20.0, 40.0), (45.0, 50.0), (46.0, 47.0)])
+    assert line == pytest.approx(dict(kernels=5, span_ms=0.050, busy_ms=0.040, gaps_ms=0.010))
+    assert bench.timeline([]) == dict(kernels=0, span_ms=0.0, busy_ms=0.0, gaps_ms=0.0)
