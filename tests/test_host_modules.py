@@ -159,17 +159,23 @@ def test_diffusers_gelu_tanh(kernel, device):
     close(kernel.gelu(host.proj(x), "tanh"), host(x), torch.bfloat16)
 
 
+@pytest.fixture
+def epilogue_calls(monkeypatch):
+    """One entry per call of torch._addmm_activation (the GEMM with a GELU epilogue)."""
+    calls = []
+    addmm_activation = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *args, **kwargs: calls.append(1) or addmm_activation(*args, **kwargs))
+    return calls
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
-def test_diffusers_gelu_layer(kernel, device, approximate, dtype, grad, monkeypatch):
+def test_diffusers_gelu_layer(kernel, device, approximate, dtype, grad, epilogue_calls):
     """diffusers' GELU module (LTX, FLUX, SD3 feed-forwards): on CUDA, tanh, 16 bits and no
     grad, a GEMM epilogue that rounds once where the host rounds the projection and the
     GELU; otherwise the projection and our gelu of the host's form, differentiable."""
-    epilogue_calls = []
-    addmm_activation = torch._addmm_activation
-    monkeypatch.setattr(torch, "_addmm_activation",
-                        lambda *args, **kwargs: epilogue_calls.append(1) or addmm_activation(*args, **kwargs))
     host = randomised(GELU(64, 96, approximate=approximate), device, dtype)
     x = torch.randn(3, 10, 64, device=device, dtype=dtype, requires_grad=grad)
     with torch.set_grad_enabled(grad):
@@ -191,13 +197,9 @@ def test_diffusers_gelu_layer(kernel, device, approximate, dtype, grad, monkeypa
                                        atol=4 * TOLERANCE[dtype]["rtol"] * w.abs().max().item())
 
 
-def test_diffusers_gelu_layer_calls_a_wrapped_projection(kernel, device, monkeypatch):
+def test_diffusers_gelu_layer_calls_a_wrapped_projection(kernel, device, epilogue_calls):
     """A projection with a forward hook (as LoRA, offload and quantization wrappers work)
     is called, not read around: no GEMM epilogue then, on CUDA either."""
-    epilogue_calls = []
-    addmm_activation = torch._addmm_activation
-    monkeypatch.setattr(torch, "_addmm_activation",
-                        lambda *args, **kwargs: epilogue_calls.append(1) or addmm_activation(*args, **kwargs))
     host = randomised(GELU(64, 96, approximate="tanh"), device, torch.bfloat16)
     host.proj.register_forward_hook(lambda module, args, out: out * 2)
     x = torch.randn(3, 10, 64, device=device, dtype=torch.bfloat16)
