@@ -14,7 +14,8 @@ see the README). A configuration that fails (e.g. a graph break under fullgraph)
 its error rather than stopping the run.
 
 Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
-whole models), after warmup; the median is reported. Each kernelized output is compared
+whole models), after warmup; the median is reported, with the median host time (until the
+call returns; the table shows it in parentheses). Each kernelized output is compared
 with the eager one. Also a torch.profiler breakdown of the kernels of one call per model
 in each configuration (LTX: the first video; Qwen3: the decode step) with, on a GPU, that
 call's timeline (kernels, busy time, span, gaps), a Markdown table, JSON (--json) and a
@@ -75,6 +76,7 @@ class Result:
     workload: str
     config: str
     ms: Optional[float] = None
+    host_ms: Optional[float] = None  # until the call returns (see median_ms)
     max_abs_diff: Optional[float] = None  # vs the first configuration run (eager by default)
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
@@ -127,15 +129,21 @@ def parameters(model) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
 
 
-def median_ms(fn, device, warmup, repeats) -> float:
+def median_ms(fn, device, warmup, repeats) -> Tuple[float, float]:
+    """Medians of the wall time per call (CUDA events on a GPU) and of the host time, from
+    the call until it returns: on a GPU, host time near the wall time means the GPU waits
+    for the launches."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, host_times = [], []
     for _ in range(repeats):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
             start.record()
+            start_s = time.perf_counter()
             fn()
+            host_times.append((time.perf_counter() - start_s) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -143,7 +151,8 @@ def median_ms(fn, device, warmup, repeats) -> float:
             start_s = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(times)
+            host_times.append(times[-1])
+    return statistics.median(times), statistics.median(host_times)
 
 
 def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options, profiled: Workload,
@@ -163,7 +172,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
             try:
                 with torch.no_grad():
                     output = workload.run(runner).float()
-                    result.ms = median_ms(lambda: workload.run(runner), device, *timing)
+                    result.ms, result.host_ms = median_ms(lambda: workload.run(runner), device, *timing)
                 if profile_top and workload is profiled:
                     key = f"{workload.name} / {config}"
                     profiles[key], timelines[key] = profile_kernels(lambda: workload.run(runner), device, profile_top)
@@ -173,7 +182,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
             else:
                 eager_outputs.setdefault(workload.name, output)
                 result.max_abs_diff = (output - eager_outputs[workload.name]).abs().max().item()
-                print(f"  {workload.name} / {config}: {result.ms:.2f} ms", flush=True)
+                print(f"  {workload.name} / {config}: {result.ms:.2f} ms (host {result.host_ms:.2f} ms)", flush=True)
             results.append(result)
     unkernelize(model)
     return results, profiles, timelines
@@ -238,14 +247,15 @@ def markdown(results: List[Result], configs) -> str:
     by_workload: Dict[str, Dict[str, Result]] = {}
     for r in results:
         by_workload.setdefault(r.workload, {})[r.config] = r
-    header = ["workload", *[f"{c} (ms)" for c in configs]]
+    header = ["workload", *[f"{c} ms (host ms)" for c in configs]]
     speedups = [(a, b) for a, b in (("eager+kernels", "eager"), ("compile+kernels", "compile"), ("compile", "eager"))
                 if a in configs and b in configs]
     header += [f"{a} vs {b}" for a, b in speedups] + ["max abs diff (kernels)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for workload, row in by_workload.items():
         cells = [workload]
-        cells += [f"{row[c].ms:.2f}" if row.get(c) and row[c].ms is not None else "failed" for c in configs]
+        cells += [f"{row[c].ms:.2f} ({row[c].host_ms:.1f})" if row.get(c) and row[c].ms is not None else "failed"
+                  for c in configs]
         for a, b in speedups:
             fast, base = row.get(a), row.get(b)
             ok = fast and base and fast.ms and base.ms
