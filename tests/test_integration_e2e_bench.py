@@ -51,6 +51,10 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
     table = capsys.readouterr().out
     assert ("| workload | eager ms (host ms) | eager+kernels ms (host ms) | compile ms (host ms) "
             "| compile+kernels ms (host ms) |") in table
+    qwen3_row = next(line for line in table.splitlines() if line.startswith(f"| {qwen3_decode} |"))
+    assert qwen3_row.split(" | ")[4].endswith(" stock")  # compile+kernels: the stock model compiled
+    ltx_row = next(line for line in table.splitlines() if line.startswith(f"| {ltx} |"))
+    assert "stock" not in ltx_row
 
 
 def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
