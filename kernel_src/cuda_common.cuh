@@ -158,6 +158,12 @@ inline int sm_count(int device) {
   return count;
 }
 
+// Whether `rows` independent rows (tokens) give every SM of `device` at least two. Fewer
+// (decode-size batches) are latency-bound: the row ops then spread a row over more threads.
+inline bool two_rows_per_sm(int64_t rows, int device) {
+  return rows >= 2 * static_cast<int64_t>(sm_count(device));
+}
+
 // Resident blocks per SM of `kernel` on the current device, which must be `device`.
 inline int max_blocks_per_sm(const void* kernel, int device, int block, std::size_t shared) {
   static std::mutex mutex;

@@ -200,7 +200,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   // Fewer rows than two per SM (decode-size batches) are latency-bound: one vector per
   // thread spreads each row over more threads (128x4096 bf16: 3.3 us where four vectors
   // per thread took 4.3 us on the H200; large batches want four: 36 us against 70 us).
-  const int per_thread = a.rows < 2 * static_cast<int64_t>(sm_count(a.device.index())) ? 1 : kCachedVecs;
+  const int per_thread = two_rows_per_sm(a.rows, a.device.index()) ? kCachedVecs : 1;
   const RowLaunch cfg = row_launch(a.cols / vec, per_thread, max_block(RESIDUAL, MODULATE));
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;

@@ -223,7 +223,7 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     // fourth instantiation).
     constexpr int kHalfVec = V / 2;
     if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
-    const bool many_tokens = a.batch * a.seq >= 2 * sm_count(a.device.index());
+    const bool many_tokens = two_rows_per_sm(a.batch * a.seq, a.device.index());
     if (many_tokens || !vectorizable<T, C, V>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);
     return launch_with<T, C, false, V, 1>(a, stream);
   }
