@@ -10,8 +10,8 @@ Workloads (random weights, models built from their configs, bf16):
 Configurations: eager; eager + kernels (`ltx_kernels_integration.kernelize_*`); compile
 (`torch.compile(model, fullgraph=True)`); compile + kernels (kernelized with
 Mode.INFERENCE | Mode.TORCH_COMPILE, then compiled; a transformers model stays stock there,
-see the README; the table marks such a cell "stock"). A configuration that fails (e.g. a graph break under fullgraph) is reported with
-its error rather than stopping the run.
+see the README; the table marks such a cell "stock"). A configuration that fails (e.g. a
+graph break under fullgraph) is reported with its error rather than stopping the run.
 
 Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
 whole models), after warmup; the median is reported, with the median host time (until the
@@ -399,9 +399,10 @@ def main(argv=None):
                   f"{line['span_ms']:.2f} ms span from the first kernel to the last (gaps {line['gaps_ms']:.2f} ms)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(environment=env, tiny=args.tiny, fuse_qkv=args.fuse_qkv, timing=dict(warmup=timing[0],
-                             repeats=timing[1]), compile=compile_options, results=[asdict(r) for r in results],
-                             profiles=profiles, timelines=timelines), indent=2))
+        report = dict(environment=env, tiny=args.tiny, fuse_qkv=args.fuse_qkv,
+                      timing=dict(warmup=timing[0], repeats=timing[1]), compile=compile_options,
+                      results=[asdict(r) for r in results], profiles=profiles, timelines=timelines)
+        args.json.write_text(json.dumps(report, indent=2))
         print(f"\njson: {args.json}")
         plot(results, configs, args.json.with_suffix(".png"))
     return results
