@@ -131,8 +131,8 @@ def parameters(model) -> str:
 
 def median_ms(fn, device, warmup, repeats) -> Tuple[float, float]:
     """Medians of the wall time per call (CUDA events on a GPU) and of the host time, from
-    the call until it returns: on a GPU, host time near the wall time means the GPU waits
-    for the launches."""
+    the call until it returns. On a GPU, host time near the wall time means the GPU waited
+    for the launches, or the call blocked (a full launch queue, a sync inside it)."""
     for _ in range(warmup):
         fn()
     times, host_times = [], []
@@ -243,6 +243,12 @@ def timeline(intervals) -> dict:
     return dict(kernels=len(ordered), span_ms=span / 1e3, busy_ms=busy / 1e3, gaps_ms=(span - busy) / 1e3)
 
 
+def left_stock(r: Result) -> bool:
+    """A kernelized configuration whose model kernelize left stock (transformers under
+    compile): a second measurement of the configuration without kernels."""
+    return r.config.endswith("+kernels") and not r.replaced
+
+
 def markdown(results: List[Result], configs) -> str:
     by_workload: Dict[str, Dict[str, Result]] = {}
     for r in results:
@@ -253,18 +259,19 @@ def markdown(results: List[Result], configs) -> str:
     header += [f"{a} vs {b}" for a, b in speedups] + ["max abs diff (kernels)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
-    def cell(r: Optional[Result], config: str) -> str:
+    def cell(r: Optional[Result]) -> str:
         if r is None or r.ms is None:
             return "failed"
-        # kernelize left the model stock (transformers under compile): a second measurement of compile
-        stock = " stock" if config.endswith("+kernels") and not r.replaced else ""
-        return f"{r.ms:.2f} ({r.host_ms:.1f}){stock}"
+        return f"{r.ms:.2f} ({r.host_ms:.1f})" + (" stock" if left_stock(r) else "")
 
     for workload, row in by_workload.items():
         cells = [workload]
-        cells += [cell(row.get(c), c) for c in configs]
+        cells += [cell(row.get(c)) for c in configs]
         for a, b in speedups:
             fast, base = row.get(a), row.get(b)
+            if fast and left_stock(fast):
+                cells.append("stock")  # the same model timed twice: its ratio is noise
+                continue
             ok = fast and base and fast.ms and base.ms
             cells.append(f"{base.ms / fast.ms:.2f}x" if ok else "-")
         diffs = [row[c].max_abs_diff for c in configs if c.endswith("+kernels") and row.get(c)
