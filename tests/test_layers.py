@@ -48,3 +48,18 @@ def test_rms_norm_layer_fp32_activations_with_a_low_precision_weight(kernel, dev
     actual = kernel.layers.RMSNorm.forward(host, x)
     assert actual.dtype == expected.dtype == torch.float32
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_take_row_views_and_send_the_others_to_the_host(kernel, device):
+    """What the layers hand to the row ops without a copy: a contiguous last dim and
+    leading dims that collapse into one row stride, on a dtype and device the ops take."""
+    rows = kernel.layers._rows
+    x = torch.randn(2, 8, 64, device=device)
+    qkv = torch.randn(2, 8, 3 * 64, device=device)
+    assert rows(x) and rows(x.bfloat16()) and rows(x[:, :1]) and rows(x[:1])
+    assert rows(qkv[..., :64]) and rows(qkv[..., 64:128])  # fused-projection slices: one row stride
+    assert not rows(x[:, 3:])  # FLUX's x[:, text_len:]: rows of two strides
+    assert not rows(x.transpose(1, 2))  # last dim not contiguous
+    assert not rows(x.double()) and not rows(x.to(torch.int32))
+    assert not rows(torch.tensor(1.0, device=device))
+    assert not rows(torch.empty(2, 8, 64, device="meta"))

@@ -25,21 +25,29 @@ from .norms import adaln, gated_residual, gated_residual_adaln, rms_norm
 from .rope import qk_norm_rope, rope_rotate_half
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-KERNEL_DEVICES = ("cpu", "cuda")
 # qk_norm_rope keeps a row of q in registers on CUDA: at most 32 KiB (16384 bf16 channels).
 QK_NORM_ROPE_MAX_ROW_BYTES = 32768
 
 
 def _on_kernel(*tensors: torch.Tensor) -> bool:
-    """Every tensor has a dtype and device the ops take."""
-    return all(t.dtype in KERNEL_DTYPES and t.device.type in KERNEL_DEVICES for t in tensors)
+    """Every tensor has a dtype and device the ops take (CPU or CUDA)."""
+    # A loop over properties: these checks run on every eager call of a layer, and a
+    # generator or a torch.device object per tensor costs host time that decode steps feel.
+    for t in tensors:
+        if t.dtype not in KERNEL_DTYPES or not (t.is_cuda or t.is_cpu):
+            return False
+    return True
 
 
 def _rows(x: torch.Tensor) -> bool:
     """x is what the row ops take without a copy: on a kernel dtype and device, a
     contiguous last dim, leading dims that collapse into one row stride (FLUX hands its
     final norm ``x[:, text_len:]``, which does not)."""
-    if not _on_kernel(x) or x.dim() == 0 or (x.stride(-1) != 1 and x.size(-1) != 1):
+    if not _on_kernel(x) or x.dim() == 0:
+        return False
+    if x.is_contiguous():
+        return True
+    if x.stride(-1) != 1 and x.size(-1) != 1:
         return False
     outer = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
     return all(stride == inner_size * inner_stride for (_, stride), (inner_size, inner_stride) in zip(outer, outer[1:]))
@@ -492,16 +500,19 @@ def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_st
     separate projections are plain ``nn.Linear``s (so the fused copy is of what they
     compute); else the three projections."""
     separate = (attn.to_q, attn.to_k, attn.to_v)
-    fused = (getattr(attn, "fused_projections", False) and all(_plain_linear(p) for p in separate)
+    self_attention = encoder_hidden_states is None
+    fused_module = getattr(attn, "to_qkv" if self_attention else "to_kv", None)
+    fused = (fused_module is not None and getattr(attn, "fused_projections", False)
+             and all(_plain_linear(p) for p in separate)
              and not records_grad(hidden_states, *(p.weight for p in separate)))
-    if encoder_hidden_states is None:
-        if fused and getattr(attn, "to_qkv", None) is not None:
+    if self_attention:
+        if fused:
             sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
-            return attn.to_qkv(hidden_states).split(sizes, dim=-1)
+            return fused_module(hidden_states).split(sizes, dim=-1)
         return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
     query = attn.to_q(hidden_states)
-    if fused and getattr(attn, "to_kv", None) is not None:
-        key, value = attn.to_kv(encoder_hidden_states).split([attn.to_k.out_features, attn.to_v.out_features], dim=-1)
+    if fused:
+        key, value = fused_module(encoder_hidden_states).split([attn.to_k.out_features, attn.to_v.out_features], dim=-1)
         return query, key, value
     return query, attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
 
