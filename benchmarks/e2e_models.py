@@ -139,7 +139,7 @@ def median_ms(fn, device, warmup, repeats) -> Tuple[float, float]:
     for _ in range(repeats):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the host time starts with an empty launch queue
             start.record()
             start_s = time.perf_counter()
             fn()

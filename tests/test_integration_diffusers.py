@@ -120,6 +120,29 @@ def test_ltx_fused_qkv_projections(device, dtype, wrapped):
     assert called == {("attn1", "to_qkv"): 0 if wrapped else 2, ("attn2", "to_kv"): 0 if wrapped else 2}
 
 
+def test_ltx_fused_projections_only_without_grad():
+    """Frozen weights but a text context that records grad: cross-attention keeps the
+    separate projections (the fused copies are for inference), and the context's grad
+    matches the stock model's."""
+    model = small_ltx("cpu", torch.float32)
+    for block in model.transformer_blocks:
+        block.attn2.is_cross_attention = True
+    model.fuse_qkv_projections()
+    model.requires_grad_(False)  # the fused copies too
+    stock = copy.deepcopy(model)
+    lki.kernelize_diffusers(model)
+    to_kv_calls = []
+    for block in model.transformer_blocks:
+        block.attn2.to_kv.register_forward_hook(lambda *_: to_kv_calls.append(1))
+    inputs, grads = ltx_inputs("cpu", torch.float32), []
+    for m in (stock, model):
+        context = inputs["encoder_hidden_states"].detach().requires_grad_()
+        m(**dict(inputs, encoder_hidden_states=context), return_dict=False)[0].square().sum().backward()
+        grads.append(context.grad)
+    assert to_kv_calls == []
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
+
+
 def test_ltx_unsupported_configurations_are_left_alone():
     """Affine block norms (the block is not fused; its RMSNorms are) and a custom attention
     processor (that attention keeps its stock forward)."""

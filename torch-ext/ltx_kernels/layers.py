@@ -504,7 +504,7 @@ def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_st
     fused_module = getattr(attn, "to_qkv" if self_attention else "to_kv", None)
     fused = (fused_module is not None and getattr(attn, "fused_projections", False)
              and all(_plain_linear(p) for p in separate)
-             and not records_grad(hidden_states, *(p.weight for p in separate)))
+             and not records_grad(hidden_states, encoder_hidden_states, *(p.weight for p in separate)))
     if self_attention:
         if fused:
             sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]
