@@ -7,7 +7,9 @@ through autograd; this isolates the backward op to tune it.
 
 Bytes counted: x and dy read, dx written (and the extra grad read when given; per-token
 AdaLN also reads its [B,S,D] scale and writes its two per-row column-grad tensors). The
-column-grad sums and the weight or broadcast scale are small and not counted.
+column-grad sums and the weight or broadcast scale are small and not counted. The gated
+residual's backward reads x and dy and writes dx (a per-token gate: also reads the gate and
+writes its grad); its "torch" rows time the two PyTorch expressions it replaces.
 """
 
 import argparse
@@ -57,6 +59,21 @@ def adaln_case(ops, batch, tokens, cols, norm="rms", per_token=False):
     return name, make_call, batch * tokens * cols * BF16.itemsize * (6 if per_token else 3)
 
 
+def gated_case(ops, batch, tokens, cols, per_token=False, torch_formula=False):
+    def make_call():
+        x = torch.randn(batch, tokens, cols, device="cuda", dtype=BF16)
+        dy = torch.randn_like(x)
+        gate = torch.randn(batch, tokens if per_token else 1, cols, device="cuda", dtype=BF16)
+        if torch_formula:
+            return lambda: (dy * gate, (dy * x).sum_to_size(gate.shape))
+        return lambda: ops.gated_residual_backward(dy, x, gate)
+
+    gate = f"[{batch},{tokens},{cols}]" if per_token else f"[{batch},1,{cols}]"
+    who = "torch dy * gate, (dy * x).sum_to_size" if torch_formula else "gated_residual_backward"
+    name = f"{who} [{batch},{tokens},{cols}] gate {gate} bfloat16"
+    return name, make_call, batch * tokens * cols * BF16.itemsize * (5 if per_token else 3)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -75,6 +92,9 @@ def main():
         rms_case(ops, 32768, 4096, dtype=torch.float32),
         adaln_case(ops, 2, 21504, 2048), adaln_case(ops, 2, 2688, 2048), adaln_case(ops, 2, 21504, 2048, "layer"),
         adaln_case(ops, 2, 2688, 2048, per_token=True),
+        gated_case(ops, 2, 21504, 2048), gated_case(ops, 2, 21504, 2048, torch_formula=True),
+        gated_case(ops, 2, 2688, 2048), gated_case(ops, 2, 2688, 2048, torch_formula=True),
+        gated_case(ops, 2, 2688, 2048, per_token=True),
     ]
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n")
     print("| op, shape | kernel us | MB moved | % copy BW |\n|---|---|---|---|")

@@ -83,7 +83,7 @@ ISSUE_4 = Shapes(
     }),
     backward=frozenset({
         ("rms_norm", (8192, 4096)), ("rms_norm", (32768, 4096)), ("adaln", (2, 21504, 2048, False)),
-        ("rope_rotate_half", (1, 32, 8, 8192, 128)), ("rope_ltx", (2, 21504, 2048)),
+        ("gated_residual_adaln", (2, 21504, 2048)), ("rope_rotate_half", (1, 32, 8, 8192, 128)), ("rope_ltx", (2, 21504, 2048)),
         ("geglu", (8192, 16384)), ("gelu_tanh", (2, 2688, 8192)),
     }),
 )
@@ -98,7 +98,8 @@ SMOKE = Shapes(
     geglu=[(4, 24)],
     gelu_tanh=[(2, 3, 16)],
     gelu_mul=[(4, 24)],
-    backward=frozenset({("rms_norm", (4, 64)), ("adaln", (2, 3, 64, False)), ("rope_rotate_half", (1, 4, 2, 6, 16)),
+    backward=frozenset({("rms_norm", (4, 64)), ("adaln", (2, 3, 64, False)), ("gated_residual_adaln", (2, 3, 64)),
+                        ("rope_rotate_half", (1, 4, 2, 6, 16)),
                         ("rope_ltx", (2, 5, 32)), ("geglu", (4, 24)), ("gelu_tanh", (2, 3, 16))}),
 )
 
@@ -298,8 +299,10 @@ class CaseBuilder:
                 impls = self.peers(ref.gated_residual_adaln(norm),
                                    ltx=lambda r, x, g, sc, sh, norm=norm: ltx.gated_residual_adaln(
                                        r, x, g, sc, sh, 1e-6, norm=norm))
+                # The backward re-reads x and the saved sum (the residual's size).
                 self.add("gated_residual_adaln", (b, s, d), f"gated_residual_adaln_{norm}",
-                         f"[{b},{s},{d}], [{b},1,{d}] gate/scale/shift", inputs, impls)
+                         f"[{b},{s},{d}], [{b},1,{d}] gate/scale/shift", inputs, impls,
+                         grad_argnums=(0, 1, 2, 3, 4), backward_reads=(0, 1))
 
     def rope(self):
         ltx, liger = self.ltx, self.libs.attr("liger", "LigerRopeFunction")

@@ -239,9 +239,13 @@ __host__ __device__ constexpr int bwd_slot_stride(int vec, int grad_bytes) {
 constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
-// Threads on one row slice: AdaLN's two column accumulators take half as many, so that the
-// shared memory stays at 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
-constexpr int bwd_row_threads(bool modulate) { return modulate ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
+// Column grads summed in shared memory: the weight's or scale's, and AdaLN's shift.
+__host__ __device__ constexpr int bwd_accs(NormKind kind, bool modulate) {
+  return modulate && kind != NormKind::kNone ? 2 : 1;
+}
+// Threads on one row slice: two column accumulators take half as many, so that the shared
+// memory stays at 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
+constexpr int bwd_row_threads(int accs) { return accs == 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
 template <typename T, typename W, typename G>
 struct NormBwdParams {
@@ -288,8 +292,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   float* column_acc = reinterpret_cast<float*>(column_acc_storage);
   __shared__ float scratch[3][32];
   constexpr int kVecs = bwd_vecs(VEC, sizeof(G));
-  constexpr int kAccs = MODULATE ? 2 : 1;
+  constexpr int kAccs = bwd_accs(KIND, MODULATE);
   constexpr bool kLayer = KIND == NormKind::kLayer;
+  constexpr bool kNormed = KIND != NormKind::kNone;  // kNone: n = x, dx = dy * g
   const int rows_per_block = blockDim.x / threads_per_row;
   const int row_in_block = threadIdx.x / threads_per_row;
   const int t = threadIdx.x % threads_per_row;
@@ -328,13 +333,13 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     }
   }
 
-  // The factor g at vector i: weight_offset + weight, 1 + scale (scale_row: the row's
-  // scale), or 1.
+  // The factor g at vector i: weight_offset + weight, weight_offset + scale (scale_row:
+  // the row's scale), or 1.
   auto load_factor = [&](const T* scale_row, int i, float (&f)[VEC]) {
     if constexpr (MODULATE) {
       to_floats(load_vec<T, VEC>(scale_row, i), f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] += 1.f;
+      for (int j = 0; j < VEC; ++j) f[j] += p.weight_offset;
     } else if (p.weight != nullptr) {
       to_floats(load_vec<W, VEC>(p.weight, i), f);
 #pragma unroll
@@ -413,7 +418,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       }
     };
 
-    float mean = 0.f;
+    float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
     if constexpr (kLayer) {
       float s[1] = {0.f};
       for_row([&](const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
@@ -423,24 +428,26 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       row_sums<1>(s, threads_per_row, scratch);
       mean = s[0] * p.inv_cols;
     }
-    // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
-    constexpr int kSums = kLayer ? 3 : 2;
-    float s[kSums] = {};
-    for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
+    if constexpr (kNormed) {
+      // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
+      constexpr int kSums = kLayer ? 3 : 2;
+      float s[kSums] = {};
+      for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float c = xf[j] - mean;
-        const float dn = df[j] * f[j];
-        s[0] += c * c;
-        s[1] += dn * c;
-        if constexpr (kLayer) s[kSums - 1] += dn;
-      }
-    });
-    row_sums<kSums>(s, threads_per_row, scratch);
+        for (int j = 0; j < VEC; ++j) {
+          const float c = xf[j] - mean;
+          const float dn = df[j] * f[j];
+          s[0] += c * c;
+          s[1] += dn * c;
+          if constexpr (kLayer) s[kSums - 1] += dn;
+        }
+      });
+      row_sums<kSums>(s, threads_per_row, scratch);
+      rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
+      mean_dn_n = s[1] * rstd * p.inv_cols;
+      mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+    }
     if (!active) continue;
-    const float rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
-    const float mean_dn_n = s[1] * rstd * p.inv_cols;
-    const float mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
     const int64_t out_row = r * p.cols;
     const T* extra = p.grad_extra != nullptr ? p.grad_extra + r * p.grad_extra_stride : nullptr;
     // The write pass, with the Llama-order rounding and the extra grad chosen once per row
@@ -465,7 +472,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           normed[j] = (xf[j] - mean) * rstd;
-          g[j] = rstd * (df[j] * own_factor[k][j] - mean_dn - normed[j] * mean_dn_n);
+          // kNone takes dn as is: an infinite x times a zero mean_dn_n would make it NaN.
+          g[j] = kNormed ? rstd * (df[j] * own_factor[k][j] - mean_dn - normed[j] * mean_dn_n)
+                         : df[j] * own_factor[k][j];
           if constexpr (decltype(add_extra)::value) g[j] += ex[j];
         }
         store_vec<T, VEC>(p.grad_input + out_row, i, from_floats<T>(g));
@@ -475,7 +484,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
         for (int j = 0; j < VEC; ++j) dy_n[j] = df[j] * normed[j];
         if (accumulate) {
           add_slots(0, k, dy_n);
-          if constexpr (MODULATE) add_slots(1, k, df);
+          if constexpr (kAccs == 2) add_slots(1, k, df);
         }
         if constexpr (MODULATE) {
           if (p.factor_rows != nullptr) store_vec<T, VEC>(p.factor_rows + out_row, i, from_floats<T>(dy_n));
@@ -559,7 +568,8 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   const int vecs_per_thread = bwd_vecs(vec, sizeof(G));
-  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(MODULATE));
+  constexpr int accs = bwd_accs(KIND, MODULATE);
+  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(accs));
   const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
   const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
   const int rows_per_block = cfg.block / cfg.threads_per_row;
@@ -569,7 +579,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                         " rows with ", a.tokens, " tokens per batch entry");
 
   const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
-  const std::size_t shared = sums ? (MODULATE ? 2 : 1) * cfg.block * bwd_slot_stride(vec, sizeof(G)) * sizeof(float) : 0;
+  const std::size_t shared = sums ? accs * cfg.block * bwd_slot_stride(vec, sizeof(G)) * sizeof(float) : 0;
   const auto kernel =
       vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
 
@@ -631,9 +641,12 @@ void run_norm_backward_cuda(const NormBackwardArgs& a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
     using T = scalar_t;
-    if (a.scale.ptr != nullptr) {
-      return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true>(a, stream)
-                                        : launch_backward<T, T, T, NormKind::kRms, true>(a, stream);
+    if (a.scale.ptr != nullptr) {  // AdaLN, or the gated residual (kNone)
+      switch (a.kind) {
+        case NormKind::kLayer: return launch_backward<T, T, T, NormKind::kLayer, true>(a, stream);
+        case NormKind::kRms: return launch_backward<T, T, T, NormKind::kRms, true>(a, stream);
+        case NormKind::kNone: return launch_backward<T, T, T, NormKind::kNone, true>(a, stream);
+      }
     }
     with_weight_types<T>(a.weight_fp32, a.grad_fp32, [&](auto w, auto g) {
       launch_backward<T, typename decltype(w)::type, typename decltype(g)::type, NormKind::kRms, false>(a, stream);

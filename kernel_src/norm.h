@@ -55,12 +55,15 @@ struct NormArgs {
 };
 
 // The backward of the row norms. With n the normed row, g its per-column factor
-// (weight_offset + weight, 1 + scale, or 1) and dn = dy * g:
+// (weight_offset + weight, weight_offset + scale, or 1) and dn = dy * g:
 //   dx = rstd * (dn - mean(dn) [LayerNorm only] - n * mean(dn * n)) + grad_extra,
 // and the column grads, weight or scale: dy * n (dy * round(n) in the Llama order), shift:
 // dy. Column grads come per row (an operand with one row per input row) or summed in fp32
 // over each group of group_rows consecutive rows, in an order fixed by the launch shape
 // alone, so results repeat bit for bit.
+// kNone is the gated residual's backward (residual + x * gate): n = x, rstd = 1, no row
+// sums, the gate as the scale with weight_offset 0, so dx = dy * gate and the gate's grad
+// is dy * x; no shift grad.
 struct NormBackwardArgs {
   NormKind kind = NormKind::kRms;
   at::ScalarType dtype = at::kFloat;  // input, grad_extra, scale, grad_input
@@ -443,6 +446,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
   NormBackwardArgs b;
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
   b.eps = static_cast<float>(eps);
+  b.weight_offset = 1.f;  // g = 1 + scale
   b.group_rows = b.tokens;
   auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
   auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);
@@ -457,6 +461,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
     if (g->sums.defined()) g->grad = norm_detail::reduce_to(g->sums, g == &grad_scale ? scale : shift);
   }
   return {grad_input, grad_scale.grad, grad_shift.grad};
+}
+
+// Backward of gated_residual's input * gate: returns (grad_input, grad_gate) = (grad_out *
+// gate, grad_out * input reduced to the gate's sizes) in one pass, the gate's column sums
+// in fp32 in a fixed order. The residual's grad is grad_out itself.
+template <class Backend>
+std::tuple<at::Tensor, at::Tensor> gated_residual_backward(const at::Tensor& grad_out, const at::Tensor& input,
+                                                           const at::Tensor& gate) {
+  constexpr const char* op = "gated_residual_backward";
+  NormArgs a;
+  norm_detail::Checker c{op, input, Backend::device, a};
+  c.check_input();
+  c.batch_tokens();
+  a.kind = NormKind::kNone;
+  a.scale = c.modulation(gate, "gate");
+  NormBackwardArgs b;
+  at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, std::nullopt, /*grad_fp32_allowed=*/false);
+  b.weight_offset = 0.f;  // g = gate
+  b.group_rows = b.tokens;
+  auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.factor_rows, b.factor_sums);
+  if (b.rows > 0) {
+    Backend::run(b);
+  } else if (grad_gate.sums.defined()) {
+    grad_gate.sums.zero_();
+  }
+  if (grad_gate.sums.defined()) grad_gate.grad = norm_detail::reduce_to(grad_gate.sums, gate);
+  return {grad_input, grad_gate.grad};
 }
 
 }  // namespace ltx

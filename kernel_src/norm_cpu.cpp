@@ -129,14 +129,15 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, f
       dy[k] = static_cast<float>(g[k]);
       float factor = 1.f;
       if (w != nullptr) factor = a.weight_offset + static_cast<float>(w[k]);
-      if (scale != nullptr) factor = 1.f + static_cast<float>(scale[k]);
+      if (scale != nullptr) factor = a.weight_offset + static_cast<float>(scale[k]);
       dn[k] = dy[k] * factor;
     }
     const bool layer = a.kind == NormKind::kLayer;
+    const bool normed_row = a.kind != NormKind::kNone;  // kNone: n = x, dx = dn
     const float mean = layer ? sum_of(centred.data(), n, 0.f, false) * a.inv_cols : 0.f;
     for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
-    const float rstd = 1.f / std::sqrt(sum_of(centred.data(), n, 0.f, true) * a.inv_cols + a.eps);
-    const float mean_dn_n = dot(dn.data(), centred.data(), n) * rstd * a.inv_cols;
+    const float rstd = normed_row ? 1.f / std::sqrt(sum_of(centred.data(), n, 0.f, true) * a.inv_cols + a.eps) : 1.f;
+    const float mean_dn_n = normed_row ? dot(dn.data(), centred.data(), n) * rstd * a.inv_cols : 0.f;
     const float mean_dn = layer ? sum_of(dn.data(), n, 0.f, false) * a.inv_cols : 0.f;
 
     T* dx = static_cast<T*>(a.grad_input) + r * n;
@@ -144,7 +145,8 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, f
     T* shift_row = a.shift_rows != nullptr ? static_cast<T*>(a.shift_rows) + r * n : nullptr;
     for (int64_t k = 0; k < n; ++k) {
       float normed = centred[k] * rstd;
-      float d = rstd * (dn[k] - mean_dn - normed * mean_dn_n);
+      // kNone takes dn as is: an infinite x times a zero mean_dn_n would make it NaN.
+      float d = normed_row ? rstd * (dn[k] - mean_dn - normed * mean_dn_n) : dn[k];
       if (extra != nullptr) d += static_cast<float>(extra[k]);
       dx[k] = static_cast<T>(d);
       if (a.cast_before_weight) normed = static_cast<float>(static_cast<T>(normed));

@@ -119,12 +119,31 @@ def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
     _assert_grads_match(ours, reference, [r, x, gate, scale, shift], dtype)
 
 
-@pytest.mark.parametrize("gate_shape", [(2, 1, 64), (2, 64), (64,), (2, 10, 64)], ids=str)
-def test_gated_residual_grads(kernel, device, gate_shape):
-    r, x, gate = _leaves(device, torch.float32, (2, 10, 64), (2, 10, 64), gate_shape)
-    bcast = (lambda g: g[:, None]) if len(gate_shape) == 2 else (lambda g: g)
-    _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * bcast(g), [r, x, gate],
-                        torch.float32)
+# (input, gate) shapes over the backward's paths: per-batch, shared and per-token gates;
+# [B, D] input; many rows per batch entry (partial column sums); rows wider than one CUDA
+# slice; an odd width (the scalar path).
+GATED_SHAPES = [((2, 10, 64), (2, 1, 64)), ((2, 10, 64), (2, 64)), ((2, 10, 64), (64,)), ((2, 10, 64), (2, 10, 64)),
+                ((3, 64), (3, 64)), ((3, 64), (64,)), ((2, 3000, 64), (2, 1, 64)), ((2, 3, 9000), (2, 1, 9000)),
+                ((2, 300, 65), (65,))]
+
+
+@pytest.mark.parametrize("x_shape, gate_shape", GATED_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_residual_grads(kernel, device, x_shape, gate_shape, dtype):
+    r, x, gate = _leaves(device, dtype, x_shape, x_shape, gate_shape)
+    bcast = (lambda g: g[:, None]) if len(x_shape) == 3 and len(gate_shape) == 2 else (lambda g: g)
+    _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * bcast(g), [r, x, gate], dtype)
+
+
+def test_gated_residual_grad_of_input_ignores_its_value(kernel, device):
+    """grad x = dy * gate does not depend on x: an infinite x leaves it finite."""
+    x = torch.randn(2, 5, 64, device=device)
+    x[0, 0, 0] = float("inf")
+    x.requires_grad_()
+    gate = torch.randn(2, 1, 64, device=device)
+    dy = torch.randn(2, 5, 64, device=device)
+    (grad_x,) = torch.autograd.grad(kernel.gated_residual(torch.zeros_like(dy), x, gate), x, dy)
+    torch.testing.assert_close(grad_x, dy * gate, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -205,11 +224,13 @@ def test_out_forms_refuse_autograd(kernel, device):
 
 
 def test_column_grads_are_deterministic(kernel, device):
-    """The weight and scale grads sum many rows: bit-identical run to run."""
-    x, w = _leaves(device, torch.bfloat16, (4096, 256), (256,))
+    """The weight, scale and gate grads sum many rows: bit-identical run to run."""
+    x, w, gate = _leaves(device, torch.bfloat16, (4096, 256), (256,), (256,))
     g = torch.randn(4096, 256, device=device, dtype=torch.bfloat16)
-    first = torch.autograd.grad(kernel.rms_norm(x, w, 1e-6), (x, w), g)
-    for _ in range(3):
-        again = torch.autograd.grad(kernel.rms_norm(x, w, 1e-6), (x, w), g)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
+    for fn, inputs in ((lambda: kernel.rms_norm(x, w, 1e-6), (x, w)),
+                       (lambda: kernel.gated_residual(x, x, gate), (x, gate))):
+        first = torch.autograd.grad(fn(), inputs, g)
+        for _ in range(3):
+            again = torch.autograd.grad(fn(), inputs, g)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b)

@@ -50,6 +50,8 @@ def _cases(device):
         "rms_norm_backward:fp32_grad_and_extra": (x.float(), x, w.float(), 1e-6, 1.0, True, x.clone()),
         "adaln_backward": (x, x.clone(), mod, mod.clone(), 1e-6, "layer", None),
         "adaln_backward:per_token": (x, x.clone(), x.clone(), x.clone(), 1e-6, "rms", x.clone()),
+        "gated_residual_backward": (x, x.clone(), mod),
+        "gated_residual_backward:per_token": (x, x.clone(), x.clone()),
         "rope_backward": (q, k, cos, sin, True, 2),
         "gelu_backward": (x, x.clone(), "tanh"),
         "gelu_mul_backward": (x, x.clone(), x.clone(), "none"),

@@ -39,6 +39,7 @@ def _cases(k):
         "geglu": ([x], lambda x: k.geglu(x, "none")),
         "rms_norm_backward": ([x, x, w], lambda g, x, w: k.ops.rms_norm_backward(g, x, w, 1e-6, 0.0, False, None)),
         "adaln_backward": ([x, x, mod, mod], lambda g, x, s, t: k.ops.adaln_backward(g, x, s, t, 1e-6, "layer", None)),
+        "gated_residual_backward": ([x, x, mod], lambda g, x, gate: k.ops.gated_residual_backward(g, x, gate)),
         "rope_backward": ([q, kk, cos, cos], lambda gq, gk, c, s: k.ops.rope_backward(gq, gk, c, s, True, 2)),
         "gelu_backward": ([x, x], lambda g, x: k.ops.gelu_backward(g, x, "tanh")),
         "gelu_mul_backward": ([x, x, x], lambda g, a, b: k.ops.gelu_mul_backward(g, a, b, "none")),

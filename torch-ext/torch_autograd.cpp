@@ -3,7 +3,6 @@
 // the CPU / CUDA kernel: torch::autograd::Function::apply would still build a node and
 // save the inputs. A call that needs grad records a node whose backward calls the
 // backward ops. torch.compile traces through these too.
-#include <ATen/ops/mul.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -47,6 +46,7 @@ LTX_OP(gated_residual_adaln, Tensors2(const Tensor&, const Tensor&, const Tensor
                                       double, c10::string_view))
 LTX_OP(adaln_backward, Tensors3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, c10::string_view,
                                 const optional<Tensor>&))
+LTX_OP(gated_residual_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&))
 LTX_OP(rope, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, int64_t))
 LTX_OP(rope_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, int64_t))
 LTX_OP(qk_norm_rope, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -60,18 +60,6 @@ LTX_OP(geglu_backward, Tensor(const Tensor&, const Tensor&, c10::string_view))
 #undef LTX_OP
 
 optional<Tensor> maybe(const Tensor& t) { return t.defined() ? optional<Tensor>(t) : std::nullopt; }
-
-// A modulation operand ([D], [B, D] or [B, S, D]) or an input ([B, D] or [B, S, D]) as 3-D.
-Tensor bsd(const Tensor& t) {
-  return t.dim() == 1 ? t.reshape({1, 1, t.size(0)}) : t.dim() == 2 ? t.unsqueeze(1) : t;
-}
-
-// Grads of residual + x * gate for x and gate, given the grad of the sum.
-Tensors2 gated_grads(const Tensor& grad_sum, const Tensor& x, const Tensor& gate) {
-  const Tensor grad_x = at::mul(bsd(grad_sum), bsd(gate)).reshape(x.sizes());
-  const Tensor grad_gate = at::mul(bsd(grad_sum), bsd(x)).sum_to_size(bsd(gate).sizes()).reshape(gate.sizes());
-  return {grad_x, grad_gate};
-}
 
 Tensor last_dim_contiguous(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
@@ -151,7 +139,7 @@ struct GatedResidual : torch::autograd::Function<GatedResidual> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    auto [grad_input, grad_gate] = gated_grads(grads[0], saved[0], saved[1]);
+    auto [grad_input, grad_gate] = gated_residual_backward_op().call(grads[0].contiguous(), saved[0], saved[1]);
     return {grads[0], grad_input, grad_gate};
   }
 };
@@ -174,7 +162,7 @@ struct GatedResidualAdaln : torch::autograd::Function<GatedResidualAdaln> {
         adaln_backward_op().call(grads[1].contiguous(), saved[4], saved[2], saved[3],
                                  ctx->saved_data["eps"].toDouble(), ctx->saved_data["norm"].toStringRef(),
                                  grads[0].contiguous());
-    auto [grad_input, grad_gate] = gated_grads(grad_sum, saved[0], saved[1]);
+    auto [grad_input, grad_gate] = gated_residual_backward_op().call(grad_sum, saved[0], saved[1]);
     return {grad_sum, grad_input, grad_gate, grad_scale, grad_shift, {}, {}};
   }
 };

@@ -212,6 +212,7 @@ void impl_norm_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("gated_residual_adaln_out", device, &gated_residual_adaln_out<B>);
   ops.impl("rms_norm_backward", device, &ltx::rms_norm_backward<B>);
   ops.impl("adaln_backward", device, &adaln_backward<B>);
+  ops.impl("gated_residual_backward", device, &ltx::gated_residual_backward<B>);
 }
 
 }  // namespace
@@ -238,6 +239,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
           "bool cast_before_weight, Tensor? grad_extra) -> (Tensor, Tensor)");
   ops.def("adaln_backward(Tensor grad_out, Tensor input, Tensor scale, Tensor shift, float eps, str norm, "
           "Tensor? grad_extra) -> (Tensor, Tensor, Tensor)");
+  ops.def("gated_residual_backward(Tensor grad_out, Tensor input, Tensor gate) -> (Tensor, Tensor)");
 
   ops.def("gelu(Tensor input, str approximate) -> Tensor");
   ops.def("gelu_out(Tensor! out, Tensor input, str approximate) -> ()");

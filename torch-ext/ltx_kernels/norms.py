@@ -194,3 +194,8 @@ def _(grad_out, x, weight, eps, weight_offset, cast_before_weight, grad_extra):
 def _(grad_out, x, scale, shift, eps, norm, grad_extra):
     return (_empty_rows_like(x), torch.empty_like(scale, memory_format=torch.contiguous_format),
             torch.empty_like(shift, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_residual_backward"))
+def _(grad_out, x, gate):
+    return _empty_rows_like(x), torch.empty_like(gate, memory_format=torch.contiguous_format)
