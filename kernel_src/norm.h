@@ -76,7 +76,7 @@ struct NormBackwardArgs {
   const void* input = nullptr;       // [rows, cols], rows input_stride apart
   const void* grad_extra = nullptr;  // [rows, cols] added to grad_input (a residual's grad), or nullptr
   const void* weight = nullptr;      // [cols] or nullptr
-  Modulation scale;                  // AdaLN's scale (g = 1 + scale), or ptr nullptr
+  Modulation scale;                  // AdaLN's scale or the gate (g = weight_offset + scale), or ptr nullptr
 
   void* factor_rows = nullptr;    // [rows, cols] contiguous dy * n, or nullptr
   float* factor_sums = nullptr;   // [groups, cols] sums of dy * n, or nullptr
@@ -268,33 +268,52 @@ inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker&
 }
 
 
-// The grad of a modulation operand (scale or shift) of sizes `like`: per row when the
-// operand has one row per input row, else column sums per batch entry reduced to its
-// sizes. Returns the grad and points `rows` or `sums` at the buffer the runner fills.
+// The backward sees a 2-D input [B, D] as one batch entry of B tokens: a modulation row
+// per input row becomes a row per token, and a shared operand's column sums run over all
+// rows in one group (B groups of one row each would sum nothing, and the CUDA grid takes
+// at most 65535 groups).
+inline void rows_as_tokens(NormBackwardArgs& b, const at::Tensor& input) {
+  if (input.dim() != 2) return;
+  b.scale.token_stride = b.scale.batch_stride;
+  b.scale.batch_stride = 0;
+  b.tokens = b.rows;
+}
+
+// The grad of a modulation operand (scale, shift or gate) of sizes `like`:
+// - per row when the operand has one row per input row;
+// - per row, then summed over the batch, when it has one row per token shared by the
+//   batch entries ([1, S, D] with B > 1);
+// - else fp32 column sums per group (batch entry), reduced to its sizes.
+// modulation_grad points `rows` or `sums` at the buffer the runner fills; finish() then
+// gives the grad.
 struct ModulationGrad {
-  at::Tensor grad;
-  at::Tensor sums;  // fp32 [B, D] when summed
+  at::Tensor rows;  // per-row grads, of the operand's sizes or (shared by the batch) the input's
+  at::Tensor sums;  // fp32 [groups, D] when summed
+
+  at::Tensor finish(const at::Tensor& like) const {
+    if (sums.defined()) {
+      // An operand without a batch dim of B sums over it.
+      const bool per_batch = like.dim() >= 2 && like.size(0) == sums.size(0) && sums.size(0) > 1;
+      at::Tensor g = per_batch ? sums : at::sum(sums, {0}, /*keepdim=*/true);
+      return g.reshape(like.sizes()).to(like.scalar_type());
+    }
+    return rows.sizes() == like.sizes() ? rows : at::sum(rows, {0}, /*keepdim=*/true);
+  }
 };
 
 inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& input, const NormBackwardArgs& b,
                                       void*& rows, float*& sums) {
-  if (like.numel() == b.rows * b.cols) {  // one operand row per input row
-    at::Tensor grad = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto contiguous = like.options().memory_format(at::MemoryFormat::Contiguous);
+  if (like.numel() == b.rows * b.cols || (like.dim() == 3 && like.size(1) > 1)) {
+    at::Tensor grad = at::empty(like.numel() == b.rows * b.cols ? like.sizes() : input.sizes(), contiguous);
     rows = grad.mutable_data_ptr();
     return {grad, {}};
   }
-  // One group per batch entry; the runner writes every element (zeroed here only when
-  // there are no rows).
-  at::Tensor s = at::empty({input.size(0), b.cols}, input.options().dtype(at::kFloat));
+  // One group per batch entry (see rows_as_tokens); the runner writes every element
+  // (zeroed here only when there are no rows).
+  at::Tensor s = at::empty({input.dim() == 3 ? input.size(0) : 1, b.cols}, input.options().dtype(at::kFloat));
   sums = s.mutable_data_ptr<float>();
   return {{}, s};
-}
-
-inline at::Tensor reduce_to(const at::Tensor& sums, const at::Tensor& like) {
-  // sums is [B, D]; an operand without a batch dim of B sums over it.
-  const bool per_batch = like.dim() >= 2 && like.size(0) == sums.size(0) && sums.size(0) > 1;
-  at::Tensor g = per_batch ? sums : at::sum(sums, {0}, /*keepdim=*/true);
-  return g.reshape(like.sizes()).to(like.scalar_type());
 }
 
 }  // namespace norm_detail
@@ -447,6 +466,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
   b.eps = static_cast<float>(eps);
   b.weight_offset = 1.f;  // g = 1 + scale
+  norm_detail::rows_as_tokens(b, input);
   b.group_rows = b.tokens;
   auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
   auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);
@@ -457,10 +477,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
       if (g->sums.defined()) g->sums.zero_();
     }
   }
-  for (auto* g : {&grad_scale, &grad_shift}) {
-    if (g->sums.defined()) g->grad = norm_detail::reduce_to(g->sums, g == &grad_scale ? scale : shift);
-  }
-  return {grad_input, grad_scale.grad, grad_shift.grad};
+  return {grad_input, grad_scale.finish(scale), grad_shift.finish(shift)};
 }
 
 // Backward of gated_residual's input * gate: returns (grad_input, grad_gate) = (grad_out *
@@ -479,6 +496,7 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_backward(const at::Tensor& gra
   NormBackwardArgs b;
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, std::nullopt, /*grad_fp32_allowed=*/false);
   b.weight_offset = 0.f;  // g = gate
+  norm_detail::rows_as_tokens(b, input);
   b.group_rows = b.tokens;
   auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.factor_rows, b.factor_sums);
   if (b.rows > 0) {
@@ -486,8 +504,7 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_backward(const at::Tensor& gra
   } else if (grad_gate.sums.defined()) {
     grad_gate.sums.zero_();
   }
-  if (grad_gate.sums.defined()) grad_gate.grad = norm_detail::reduce_to(grad_gate.sums, gate);
-  return {grad_input, grad_gate.grad};
+  return {grad_input, grad_gate.finish(gate)};
 }
 
 }  // namespace ltx

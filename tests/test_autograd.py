@@ -75,7 +75,8 @@ def test_fused_add_rms_norm_grads(kernel, device, dtype):
     _assert_grads_match(kernel.fused_add_rms_norm(x, r, w, 1e-6), reference, [x, r, w], dtype)
 
 
-MOD_SHAPES = {"per-batch": (2, 1, 64), "per-batch-2d": (2, 64), "shared": (64,), "per-token": (2, 300, 64)}
+MOD_SHAPES = {"per-batch": (2, 1, 64), "per-batch-2d": (2, 64), "shared": (64,), "per-token": (2, 300, 64),
+              "per-token-shared-by-batch": (1, 300, 64)}
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])
@@ -119,12 +120,15 @@ def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
     _assert_grads_match(ours, reference, [r, x, gate, scale, shift], dtype)
 
 
-# (input, gate) shapes over the backward's paths: per-batch, shared and per-token gates;
-# [B, D] input; many rows per batch entry (partial column sums); rows wider than one CUDA
-# slice; an odd width (the scalar path).
+# (input, gate) shapes over the backward's paths: per-batch, shared and per-token gates,
+# a per-token gate shared by the batch; B = 1 and S = 1 (a row per input row); [B, D]
+# input, with many rows and a shared gate (one group of column sums); many rows per batch
+# entry (partial column sums); rows wider than one CUDA slice, with a per-token gate too;
+# an odd width (the scalar path).
 GATED_SHAPES = [((2, 10, 64), (2, 1, 64)), ((2, 10, 64), (2, 64)), ((2, 10, 64), (64,)), ((2, 10, 64), (2, 10, 64)),
-                ((3, 64), (3, 64)), ((3, 64), (64,)), ((2, 3000, 64), (2, 1, 64)), ((2, 3, 9000), (2, 1, 9000)),
-                ((2, 300, 65), (65,))]
+                ((2, 10, 64), (1, 10, 64)), ((1, 10, 64), (1, 1, 64)), ((2, 1, 64), (2, 64)),
+                ((3, 64), (3, 64)), ((3, 64), (64,)), ((3000, 64), (1, 64)), ((2, 3000, 64), (2, 1, 64)),
+                ((2, 3, 9000), (2, 1, 9000)), ((2, 3, 9000), (2, 3, 9000)), ((2, 300, 65), (65,))]
 
 
 @pytest.mark.parametrize("x_shape, gate_shape", GATED_SHAPES, ids=str)
@@ -133,6 +137,30 @@ def test_gated_residual_grads(kernel, device, x_shape, gate_shape, dtype):
     r, x, gate = _leaves(device, dtype, x_shape, x_shape, gate_shape)
     bcast = (lambda g: g[:, None]) if len(x_shape) == 3 and len(gate_shape) == 2 else (lambda g: g)
     _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * bcast(g), [r, x, gate], dtype)
+
+
+@pytest.mark.parametrize("gate_shape", [(2, 1, 64), (1, 0, 64), (2, 0, 64)], ids=str)
+def test_gated_residual_grads_without_rows(kernel, device, gate_shape):
+    r, x, gate = _leaves(device, torch.float32, (2, 0, 64), (2, 0, 64), gate_shape)
+    grads = torch.autograd.grad(kernel.gated_residual(r, x, gate), [r, x, gate], torch.ones(2, 0, 64, device=device))
+    assert [g.shape for g in grads] == [r.shape, x.shape, gate.shape]
+    assert torch.equal(grads[2], torch.zeros_like(gate))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_residual_grads_of_views(kernel, device, dtype):
+    """x a column slice of a wider projection, the gate a strided chunk of the ada values
+    (as the LTX layers pass them); the gate's grad lands in the chunked tensor."""
+    wide, r = _leaves(device, dtype, (2, 40, 128), (2, 40, 64))
+    ada = torch.randn(2, 1, 3, 64, device=device, dtype=dtype).requires_grad_()
+
+    def fn(r, wide, ada):
+        return kernel.gated_residual(r, wide[..., 32:96], ada.unbind(2)[1])
+
+    def reference(r, wide, ada):
+        return r + wide[..., 32:96] * ada.unbind(2)[1]
+
+    _assert_grads_match(fn(r, wide, ada), reference, [r, wide, ada], dtype)
 
 
 def test_gated_residual_grad_of_input_ignores_its_value(kernel, device):
