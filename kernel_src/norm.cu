@@ -232,9 +232,10 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 __host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes) {
   return vec == 1 ? 8 : vec * grad_bytes > 16 ? 2 : 4;
 }
-// Shared-memory floats per thread and column grad: its elements and 16 bytes of padding.
-__host__ __device__ constexpr int bwd_slot_stride(int vec, int grad_bytes) {
-  return bwd_vecs(vec, grad_bytes) * vec + 4;
+// Shared-memory floats per thread: its elements for each column grad side by side, and 16
+// bytes of padding (threads 4 banks apart: 16-byte accesses without bank conflicts).
+__host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int accs) {
+  return accs * bwd_vecs(vec, grad_bytes) * vec + 4;
 }
 constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
@@ -244,7 +245,7 @@ __host__ __device__ constexpr int bwd_accs(NormKind kind, bool modulate) {
   return modulate && kind != NormKind::kNone ? 2 : 1;
 }
 // Threads on one row slice: two column accumulators take half as many, so that the shared
-// memory stays at 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
+// memory stays under 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
 constexpr int bwd_row_threads(int accs) { return accs == 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
 template <typename T, typename W, typename G>
@@ -260,7 +261,7 @@ struct NormBwdParams {
   float* factor_partial;  // [groups, gridDim.y, cols]
   float* shift_partial;
   int64_t scale_batch, scale_token;
-  int64_t tokens, group_rows;
+  int64_t group_rows;
   int64_t input_stride, grad_out_stride, grad_extra_stride;
   int cols;
   float eps, inv_cols, weight_offset;
@@ -287,7 +288,7 @@ __device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, flo
 template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE>
 __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
-  // Column-grad sums, [kAccs][threads][kStride]: dy * n, and (AdaLN) dy.
+  // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, and (AdaLN) dy.
   extern __shared__ float4 column_acc_storage[];
   float* column_acc = reinterpret_cast<float*>(column_acc_storage);
   __shared__ float scratch[3][32];
@@ -307,9 +308,11 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   const int slice_cols = threads_per_row * kVecs * VEC;
   const bool accumulate = p.factor_partial != nullptr || p.shift_partial != nullptr;
   // This thread's slots in accumulator `which`: its elements side by side (16-byte
-  // accesses at fixed offsets), threads bwd_slot_stride apart (no bank conflicts).
-  constexpr int kStride = bwd_slot_stride(VEC, sizeof(G));
-  auto slots = [&](int which) { return column_acc + (which * blockDim.x + threadIdx.x) * kStride; };
+  // accesses), the accumulators at fixed offsets from one base, so that the compiler may
+  // move one's shared-memory loads above the other's stores.
+  constexpr int kElems = kVecs * VEC;
+  constexpr int kThreadFloats = bwd_thread_floats(VEC, sizeof(G), kAccs);
+  auto slots = [&](int which) { return column_acc + threadIdx.x * kThreadFloats + which * kElems; };
   // Adds v into the slots of vector k.
   auto add_slots = [&](int which, int k, const float (&v)[VEC]) {
     float* s = slots(which) + k * VEC;
@@ -349,25 +352,25 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       for (int j = 0; j < VEC; ++j) f[j] = 1.f;
     }
   };
-  auto scale_row_of = [&](int64_t r) {
-    const int64_t batch = r / p.tokens;
-    return MODULATE ? p.scale + batch * p.scale_batch + (r - batch * p.tokens) * p.scale_token : nullptr;
-  };
+  // A group is one batch entry (launch_backward asserts it), so the scale row of a token
+  // takes no 64-bit division per row.
+  const T* batch_scale = MODULATE ? p.scale + static_cast<int64_t>(blockIdx.z) * p.scale_batch : nullptr;
+  auto scale_row_of = [&](int64_t token) { return MODULATE ? batch_scale + token * p.scale_token : nullptr; };
   // The factor over this thread's own vectors in fp32, loaded once: it is the same for
   // every row of the block (the weight, or a scale per batch entry, which is the block's
   // group) unless the scale varies per token. Half the per-element work of the loop was
   // loading and converting it twice per row.
   const bool factor_per_row = MODULATE && p.scale_token != 0;
   float own_factor[kVecs][VEC];
-  auto load_own_factor = [&](int64_t r) {
-    const T* scale_row = scale_row_of(r);
+  auto load_own_factor = [&](int64_t token) {
+    const T* scale_row = scale_row_of(token);
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int i = vec_index(slice, k);
       if (i < nvec) load_factor(scale_row, i, own_factor[k]);
     }
   };
-  if (!factor_per_row) load_own_factor(group_first);
+  if (!factor_per_row) load_own_factor(0);
 
   // The block's slice of its current row.
   Vec<T, VEC> xs[kVecs];
@@ -377,7 +380,8 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // Trip count uniform over the block: every thread joins every row reduction.
   for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block; base < p.group_rows; base += row_step) {
     const bool active = base + row_in_block < p.group_rows;
-    const int64_t r = group_first + (active ? base + row_in_block : 0);
+    const int64_t token = active ? base + row_in_block : 0;  // the row within the group
+    const int64_t r = group_first + token;
     const T* x = p.input + r * p.input_stride;
     const G* dy = p.grad_out + r * p.grad_out_stride;
     // Unconditional loads (no branch per vector): an inactive row reads the group's first
@@ -388,8 +392,8 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       xs[k] = load_vec<T, VEC>(x, i);
       dys[k] = load_vec<G, VEC>(dy, i);
     }
-    if (factor_per_row && active) load_own_factor(r);
-    const T* scale_row = factor_per_row ? scale_row_of(r) : scale_row_of(group_first);
+    if (factor_per_row && active) load_own_factor(token);
+    const T* scale_row = scale_row_of(factor_per_row ? token : 0);
 
     // Calls fn(x, dy, factor) in fp32 for every vector of the row this thread covers: its
     // own slice from registers, then the other slices from memory.
@@ -515,9 +519,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     for (int c = threadIdx.x; c < slice_cols && first_col + c < p.cols; c += blockDim.x) {
       // Column c of the slice is element j of vector k of thread t (see vec_index).
       const int k = c / (threads_per_row * VEC), in_k = c - k * threads_per_row * VEC;
-      const int offset = (which * blockDim.x + in_k / VEC) * kStride + k * VEC + in_k % VEC;
+      const int offset = (in_k / VEC) * kThreadFloats + which * kElems + k * VEC + in_k % VEC;
       float sum = 0.f;
-      for (int rr = 0; rr < rows_per_block; ++rr) sum += column_acc[offset + rr * threads_per_row * kStride];
+      for (int rr = 0; rr < rows_per_block; ++rr) sum += column_acc[offset + rr * threads_per_row * kThreadFloats];
       partial[partial_row + first_col + c] = sum;
     }
   }
@@ -579,7 +583,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                         " rows with ", a.tokens, " tokens per batch entry");
 
   const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
-  const std::size_t shared = sums ? accs * cfg.block * bwd_slot_stride(vec, sizeof(G)) * sizeof(float) : 0;
+  const std::size_t shared = sums ? cfg.block * bwd_thread_floats(vec, sizeof(G), accs) * sizeof(float) : 0;
   const auto kernel =
       vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
 
@@ -614,7 +618,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  static_cast<const W*>(a.weight), static_cast<const T*>(a.scale.ptr),
                                  static_cast<T*>(a.factor_rows), static_cast<T*>(a.shift_rows),
                                  factor_partial, shift_partial,
-                                 a.scale.batch_stride, a.scale.token_stride, a.tokens, a.group_rows,
+                                 a.scale.batch_stride, a.scale.token_stride, a.group_rows,
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
                                  a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
