@@ -233,7 +233,8 @@ __host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes) {
   return vec == 1 ? 8 : vec * grad_bytes > 16 ? 2 : 4;
 }
 // Shared-memory floats per thread: its elements for each column grad side by side, and 16
-// bytes of padding (threads 4 banks apart: 16-byte accesses without bank conflicts).
+// bytes of padding, so that the 16-byte accesses of 8 consecutive threads fall in distinct
+// banks (36 or 68 floats: 4 banks apart; 20: 20 apart).
 __host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int accs) {
   return accs * bwd_vecs(vec, grad_bytes) * vec + 4;
 }
@@ -245,7 +246,7 @@ __host__ __device__ constexpr int bwd_accs(NormKind kind, bool modulate) {
   return modulate && kind != NormKind::kNone ? 2 : 1;
 }
 // Threads on one row slice: two column accumulators take half as many, so that the shared
-// memory stays under 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
+// memory stays at most 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
 constexpr int bwd_row_threads(int accs) { return accs == 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
 template <typename T, typename W, typename G>

@@ -85,8 +85,9 @@ struct NormBackwardArgs {
 
   int64_t rows = 0, cols = 0;
   int64_t tokens = 1;      // rows per batch entry, for the scale's (batch, token) rows
-  // Rows per column-sum group (groups = rows / group_rows). AdaLN's groups are its batch
-  // entries (group_rows = tokens): the CUDA kernel loads a per-batch scale once per block.
+  // Rows per column-sum group (groups = rows / group_rows). A modulated backward's (AdaLN's,
+  // the gate's) groups are its batch entries (group_rows = tokens): the CUDA kernel loads a
+  // per-batch scale once per block and finds a row's token from its place in the group.
   int64_t group_rows = 0;
   int64_t input_stride = 0, grad_out_stride = 0, grad_extra_stride = 0;
   float eps = 0.f, inv_cols = 0.f, weight_offset = 0.f;
@@ -268,12 +269,12 @@ inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker&
 }
 
 
-// The backward sees a 2-D input [B, D] as one batch entry of B tokens: a modulation row
-// per input row becomes a row per token, and a shared operand's column sums run over all
-// rows in one group (B groups of one row each would sum nothing, and the CUDA grid takes
-// at most 65535 groups).
-inline void rows_as_tokens(NormBackwardArgs& b, const at::Tensor& input) {
-  if (input.dim() != 2) return;
+// The backward sees an input of one row per batch entry ([B, D] or [B, 1, D]) as one
+// batch entry of B tokens: a modulation row per input row becomes a row per token, and a
+// shared operand's column sums run over all rows in one group (B groups of one row each
+// would sum nothing, and the CUDA grid takes at most 65535 groups).
+inline void rows_as_tokens(NormBackwardArgs& b) {
+  if (b.tokens != 1) return;
   b.scale.token_stride = b.scale.batch_stride;
   b.scale.batch_stride = 0;
   b.tokens = b.rows;
@@ -309,9 +310,11 @@ inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& 
     rows = grad.mutable_data_ptr();
     return {grad, {}};
   }
-  // One group per batch entry (see rows_as_tokens); the runner writes every element
-  // (zeroed here only when there are no rows).
-  at::Tensor s = at::empty({input.dim() == 3 ? input.size(0) : 1, b.cols}, input.options().dtype(at::kFloat));
+  // One group per batch entry, or one for all rows once rows_as_tokens made them tokens
+  // (without rows, B groups: a [B, 1, D] operand keeps its sizes). The runner writes
+  // every element (zeroed here only when there are no rows).
+  const int64_t groups = b.rows > 0 && b.tokens == b.rows ? 1 : input.dim() == 3 ? input.size(0) : 1;
+  at::Tensor s = at::empty({groups, b.cols}, input.options().dtype(at::kFloat));
   sums = s.mutable_data_ptr<float>();
   return {{}, s};
 }
@@ -466,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
   b.eps = static_cast<float>(eps);
   b.weight_offset = 1.f;  // g = 1 + scale
-  norm_detail::rows_as_tokens(b, input);
+  norm_detail::rows_as_tokens(b);
   b.group_rows = b.tokens;
   auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
   auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);
@@ -496,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_backward(const at::Tensor& gra
   NormBackwardArgs b;
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, std::nullopt, /*grad_fp32_allowed=*/false);
   b.weight_offset = 0.f;  // g = gate
-  norm_detail::rows_as_tokens(b, input);
+  norm_detail::rows_as_tokens(b);
   b.group_rows = b.tokens;
   auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.factor_rows, b.factor_sums);
   if (b.rows > 0) {

@@ -88,6 +88,26 @@ def test_adaln_grads(kernel, device, norm, mod, dtype):
     _assert_grads_match(y, lambda x, s, t: adaln_ref(x, s, t, 1e-6, norm), [x, scale, shift], dtype)
 
 
+# One row per batch entry ([B, D] or [B, 1, D]): the backward takes the rows as tokens of
+# one group, with a per-row or a shared operand.
+ROW_INPUTS = [((300, 64), (300, 64)), ((300, 64), (64,)), ((300, 64), (1, 64)), ((300, 1, 64), (300, 1, 64)),
+              ((300, 1, 64), (300, 64)), ((300, 1, 64), (1, 1, 64)), ((0, 64), (64,)), ((2, 0, 64), (2, 1, 64))]
+
+
+@pytest.mark.parametrize("x_shape, mod_shape", ROW_INPUTS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adaln_grads_one_row_per_batch_entry(kernel, device, x_shape, mod_shape, dtype):
+    x, scale, shift = _leaves(device, dtype, x_shape, mod_shape, mod_shape)
+    y = kernel.adaln(x, scale, shift, 1e-6, norm="layer")
+    grads = torch.autograd.grad(y, [x, scale, shift], torch.ones_like(y))
+    assert [g.shape for g in grads] == [x.shape, scale.shape, shift.shape]
+    if x.numel() == 0:
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+        return
+    _assert_grads_match(kernel.adaln(x, scale, shift, 1e-6, norm="layer"),
+                        lambda x, s, t: adaln_ref(x, s, t, 1e-6, "layer"), [x, scale, shift], dtype)
+
+
 @pytest.mark.parametrize("scale_mod, shift_mod", [("per-token", "per-batch"), ("per-batch", "per-token")])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_adaln_grads_mixed_modulation(kernel, device, scale_mod, shift_mod, dtype):
