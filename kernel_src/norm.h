@@ -12,6 +12,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 
 #include <limits>
 #include <string>
@@ -269,15 +270,18 @@ inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker&
 }
 
 
-// The backward sees an input of one row per batch entry ([B, D] or [B, 1, D]) as one
-// batch entry of B tokens: a modulation row per input row becomes a row per token, and a
-// shared operand's column sums run over all rows in one group (B groups of one row each
-// would sum nothing, and the CUDA grid takes at most 65535 groups).
-inline void rows_as_tokens(NormBackwardArgs& b) {
-  if (b.tokens != 1) return;
-  b.scale.token_stride = b.scale.batch_stride;
-  b.scale.batch_stride = 0;
-  b.tokens = b.rows;
+// A modulated backward's column-sum groups are its batch entries. An input of one row per
+// batch entry ([B, D] or [B, 1, D]) is seen as one batch entry of B tokens: a modulation
+// row per input row becomes a row per token, and a shared operand's column sums run over
+// all rows in one group (B groups of one row each would sum nothing, and the CUDA grid
+// takes at most 65535 groups).
+inline void group_by_batch_entry(NormBackwardArgs& b) {
+  if (b.tokens == 1) {
+    b.scale.token_stride = b.scale.batch_stride;
+    b.scale.batch_stride = 0;
+    b.tokens = b.rows;
+  }
+  b.group_rows = b.tokens;
 }
 
 // The grad of a modulation operand (scale, shift or gate) of sizes `like`:
@@ -310,11 +314,10 @@ inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& 
     rows = grad.mutable_data_ptr();
     return {grad, {}};
   }
-  // One group per batch entry, or one for all rows once rows_as_tokens made them tokens
-  // (without rows, B groups: a [B, 1, D] operand keeps its sizes). The runner writes
-  // every element (zeroed here only when there are no rows).
-  const int64_t groups = b.rows > 0 && b.tokens == b.rows ? 1 : input.dim() == 3 ? input.size(0) : 1;
-  at::Tensor s = at::empty({groups, b.cols}, input.options().dtype(at::kFloat));
+  // The runner's groups (see group_by_batch_entry); without rows, zeros for each batch
+  // entry, so that a [B, 1, D] operand keeps its sizes. The runner writes every element.
+  const auto fp32 = input.options().dtype(at::kFloat);
+  at::Tensor s = b.rows > 0 ? at::empty({b.rows / b.group_rows, b.cols}, fp32) : at::zeros({input.size(0), b.cols}, fp32);
   sums = s.mutable_data_ptr<float>();
   return {{}, s};
 }
@@ -469,17 +472,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
   b.eps = static_cast<float>(eps);
   b.weight_offset = 1.f;  // g = 1 + scale
-  norm_detail::rows_as_tokens(b);
-  b.group_rows = b.tokens;
+  norm_detail::group_by_batch_entry(b);
   auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
   auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);
-  if (b.rows > 0) {
-    Backend::run(b);
-  } else {
-    for (auto* g : {&grad_scale, &grad_shift}) {
-      if (g->sums.defined()) g->sums.zero_();
-    }
-  }
+  if (b.rows > 0) Backend::run(b);
   return {grad_input, grad_scale.finish(scale), grad_shift.finish(shift)};
 }
 
@@ -499,14 +495,9 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_backward(const at::Tensor& gra
   NormBackwardArgs b;
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, std::nullopt, /*grad_fp32_allowed=*/false);
   b.weight_offset = 0.f;  // g = gate
-  norm_detail::rows_as_tokens(b);
-  b.group_rows = b.tokens;
+  norm_detail::group_by_batch_entry(b);
   auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.factor_rows, b.factor_sums);
-  if (b.rows > 0) {
-    Backend::run(b);
-  } else if (grad_gate.sums.defined()) {
-    grad_gate.sums.zero_();
-  }
+  if (b.rows > 0) Backend::run(b);
   return {grad_input, grad_gate.finish(gate)};
 }
 
