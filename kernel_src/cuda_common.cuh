@@ -17,6 +17,7 @@
 #include <mutex>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 namespace ltx {
 
@@ -129,8 +130,9 @@ __device__ __forceinline__ float row_sum(float v, int threads_per_row, float* sc
 
 // Launch shape of a row-reduction kernel: threads_per_row is a power of two covering the
 // row with at most `per_thread` vectors each (up to max_threads). Rows of more than a warp
-// get a block each (row_sum reduces the whole block); rows of a warp or less share
-// 128-thread blocks and reduce with shuffles inside their lane group.
+// get a block each (row_sum reduces the whole block; the norm backward may put several in
+// one); rows of a warp or less share 128-thread blocks and reduce with shuffles inside
+// their lane group.
 struct RowLaunch {
   int threads_per_row;
   int block;
@@ -147,15 +149,23 @@ inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
 
 // Launch-shape queries, each made once per device (and kernel, block, shared size): a
 // launch path that asks the driver on every call adds host time to every op call.
-inline int sm_count(int device) {
+template <cudaDeviceAttr kAttribute>
+inline int device_attribute(int device) {
   static std::array<std::atomic<int>, 64> cache{};
   TORCH_CHECK(device >= 0 && device < static_cast<int>(cache.size()), "CUDA device index ", device, " out of range");
-  int count = cache[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    cache[device].store(count, std::memory_order_relaxed);
+  int value = cache[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, kAttribute, device));
+    cache[device].store(value, std::memory_order_relaxed);
   }
-  return count;
+  return value;
+}
+
+inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
+
+// The most shared memory one block may take (static and dynamic), beyond 48 KB on request.
+inline int max_shared_per_block(int device) {
+  return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device);
 }
 
 // Whether `rows` independent rows (tokens) give every SM of `device` at least two. Fewer
@@ -164,14 +174,22 @@ inline bool two_rows_per_sm(int64_t rows, int device) {
   return rows >= 2 * static_cast<int64_t>(sm_count(device));
 }
 
-// Resident blocks per SM of `kernel` on the current device, which must be `device`.
+// Resident blocks per SM of `kernel` on the current device, which must be `device`. Dynamic
+// shared memory beyond 48 KB is granted per kernel only on request: the first query of a
+// size above what the kernel has been granted asks for it, so ask this before launching.
 inline int max_blocks_per_sm(const void* kernel, int device, int block, std::size_t shared) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, int, std::size_t>, int> cache;
+  static std::map<std::pair<const void*, int>, std::size_t> granted;
   const auto key = std::make_tuple(kernel, device, block, shared);
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
+  std::size_t& most = granted[{kernel, device}];
+  if (shared > 48 * 1024 && shared > most) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+    most = shared;
+  }
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block, shared));
   cache.emplace(key, blocks);

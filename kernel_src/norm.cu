@@ -241,12 +241,14 @@ __host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int
 constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
+// Values one row reduction of the backward sums at most (LayerNorm's).
+constexpr int kBwdRowSums = 3;
 // Column grads summed in shared memory: the weight's or scale's, and AdaLN's shift.
 __host__ __device__ constexpr int bwd_accs(NormKind kind, bool modulate) {
   return modulate && kind != NormKind::kNone ? 2 : 1;
 }
-// Threads on one row slice: two column accumulators take half as many, so that the shared
-// memory stays at most 36 KB (sm_75 allows 64 KB per block, beyond 48 KB only on request).
+// Threads on one row slice: two column accumulators take half as many, so that a block of
+// one row slice takes at most 36 KB of shared memory (beyond 48 KB only on request).
 constexpr int bwd_row_threads(int accs) { return accs == 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
 template <typename T, typename W, typename G>
@@ -269,13 +271,15 @@ struct NormBwdParams {
   bool cast_before_weight;
 };
 
-// Sums N values over one row's threads at once (one pair of barriers for all of them).
+// Sums N values over one row's threads at once (one pair of barriers for all of them). A
+// block may hold several rows (consecutive runs of threads): each sums its own warps.
 template <int N>
 __device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, float (*scratch)[32]) {
 #pragma unroll
   for (int j = 0; j < N; ++j) v[j] = group_sum(v[j], threads_per_row < 32 ? threads_per_row : 32);
   if (threads_per_row <= 32) return;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, row_warps = threads_per_row / 32;
+  const int first_warp = warp & -row_warps;  // row_warps is a power of two
   __syncthreads();
   if (lane == 0) {
 #pragma unroll
@@ -283,7 +287,7 @@ __device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, flo
   }
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < warps ? scratch[j][lane] : 0.f, 32);
+  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < row_warps ? scratch[j][first_warp + lane] : 0.f, 32);
 }
 
 template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE>
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, and (AdaLN) dy.
   extern __shared__ float4 column_acc_storage[];
   float* column_acc = reinterpret_cast<float*>(column_acc_storage);
-  __shared__ float scratch[3][32];
+  __shared__ float scratch[kBwdRowSums][32];
   constexpr int kVecs = bwd_vecs(VEC, sizeof(G));
   constexpr int kAccs = bwd_accs(KIND, MODULATE);
   constexpr bool kLayer = KIND == NormKind::kLayer;
@@ -577,22 +581,35 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(accs));
   const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
   const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
-  const int rows_per_block = cfg.block / cfg.threads_per_row;
+  const int device = a.device.index();
+  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
+  const std::size_t thread_shared = sums ? bwd_thread_floats(vec, sizeof(G), accs) * sizeof(float) : 0;
+  const auto kernel =
+      vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
+  // Every block writes a partial row per column grad, which column_sum_kernel reads back.
+  // With column sums, rows of 64 threads share a block four at a time (two where the shared
+  // memory is short: AdaLN's two grads take 68 KB for four, sm_75 has 64 KB), for a quarter
+  // of those partial rows. H200, bf16, same run: adaln rms [2,2688,2048] 44.7 -> 36.1 us,
+  // [2,21504,2048] 165 -> 159 us, the gated residual's [2,21504,2048] 151 -> 144 us; adaln
+  // layer [2,21504,2048], whose rows then wait for each other at two barriers per row, 195
+  // -> 196 us. Rows without sums, and 128-thread rows, are not helped.
+  int block = cfg.block;
+  const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32]);
+  while (sums && cfg.threads_per_row <= 64 && block < 4 * cfg.threads_per_row &&
+         2 * block * thread_shared <= shared_room) {
+    block *= 2;
+  }
+  const int rows_per_block = block / cfg.threads_per_row;
   const int64_t groups = a.rows / a.group_rows;
   // The kernel loads a per-batch AdaLN scale once per block: its groups are batch entries.
   TORCH_INTERNAL_ASSERT(!MODULATE || a.group_rows == a.tokens, "norm backward: AdaLN groups of ", a.group_rows,
                         " rows with ", a.tokens, " tokens per batch entry");
-
-  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
-  const std::size_t shared = sums ? cfg.block * bwd_thread_floats(vec, sizeof(G), accs) * sizeof(float) : 0;
-  const auto kernel =
-      vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
+  const std::size_t shared = block * thread_shared;
 
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
-  const int device = a.device.index();
   const int64_t resident = static_cast<int64_t>(sm_count(device)) *
-                           max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, cfg.block, shared);
+                           max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, block, shared);
   const int64_t wanted = std::max<int64_t>(1, resident / (groups * slices));
   const int row_blocks = static_cast<int>(std::min<int64_t>(
       {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
@@ -623,7 +640,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
                                  a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
-  kernel<<<grid, cfg.block, shared, stream>>>(p, cfg.threads_per_row, slices);
+  kernel<<<grid, block, shared, stream>>>(p, cfg.threads_per_row, slices);
   check_launch();
   if (sums && row_blocks > 1) {
     ColumnSums grads{};

@@ -151,6 +151,28 @@ GATED_SHAPES = [((2, 10, 64), (2, 1, 64)), ((2, 10, 64), (2, 64)), ((2, 10, 64),
                 ((2, 3, 9000), (2, 1, 9000)), ((2, 3, 9000), (2, 3, 9000)), ((2, 300, 65), (65,))]
 
 
+# Rows on 64 CUDA threads (2048 16-bit or 1024 fp32 columns as vectors; 509, the scalar
+# path): with column sums, four such rows share a block (each reduces over its own warps).
+# 301 rows per batch entry leave the last block of a walk part-empty.
+@pytest.mark.parametrize("op", ["rms_norm", "adaln_rms", "adaln_layer", "gated_residual"])
+@pytest.mark.parametrize("path", ["vector", "scalar"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grads_of_rows_sharing_a_block(kernel, device, op, path, dtype):
+    cols = 509 if path == "scalar" else 1024 if dtype == torch.float32 else 2048
+    (x,) = _leaves(device, dtype, (2, 301, cols))
+    if op == "rms_norm":
+        (w,) = _leaves(device, dtype, (cols,))
+        _assert_grads_match(kernel.rms_norm(x, w, 1e-6), lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dtype)
+    elif op == "gated_residual":
+        r, gate = _leaves(device, dtype, x.shape, (2, 1, cols))
+        _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * g, [r, x, gate], dtype)
+    else:
+        norm = op.removeprefix("adaln_")
+        scale, shift = _leaves(device, dtype, (2, 1, cols), (2, 1, cols))
+        y = kernel.adaln(x, scale, shift, 1e-6, norm=norm)
+        _assert_grads_match(y, lambda x, s, t: adaln_ref(x, s, t, 1e-6, norm), [x, scale, shift], dtype)
+
+
 @pytest.mark.parametrize("x_shape, gate_shape", GATED_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gated_residual_grads(kernel, device, x_shape, gate_shape, dtype):
