@@ -175,8 +175,9 @@ inline bool two_rows_per_sm(int64_t rows, int device) {
 }
 
 // Resident blocks per SM of `kernel` on the current device, which must be `device`. Dynamic
-// shared memory beyond 48 KB is granted per kernel only on request: the first query of a
-// size above what the kernel has been granted asks for it, so ask this before launching.
+// shared memory beyond 48 KB (less the kernel's static) is granted per kernel only on
+// request: the first query of a size above what the kernel has been granted asks for it,
+// so ask this before launching.
 inline int max_blocks_per_sm(const void* kernel, int device, int block, std::size_t shared) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, int, std::size_t>, int> cache;
@@ -186,7 +187,7 @@ inline int max_blocks_per_sm(const void* kernel, int device, int block, std::siz
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
   std::size_t& most = granted[{kernel, device}];
-  if (shared > 48 * 1024 && shared > most) {
+  if (shared > most) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
     most = shared;
   }

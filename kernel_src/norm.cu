@@ -234,7 +234,7 @@ __host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes) {
 }
 // Shared-memory floats per thread: its elements for each column grad side by side, and 16
 // bytes of padding, so that the 16-byte accesses of 8 consecutive threads fall in distinct
-// banks (36 or 68 floats: 4 banks apart; 20: 20 apart).
+// banks (36 or 68 floats: 4 banks apart; 20: 20 apart; 12 on the scalar path).
 __host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int accs) {
   return accs * bwd_vecs(vec, grad_bytes) * vec + 4;
 }
@@ -587,16 +587,21 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const auto kernel =
       vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
   // Every block writes a partial row per column grad, which column_sum_kernel reads back.
-  // With column sums, rows of 64 threads share a block four at a time (two where the shared
-  // memory is short: AdaLN's two grads take 68 KB for four, sm_75 has 64 KB), for a quarter
-  // of those partial rows. H200, bf16, same run: adaln rms [2,2688,2048] 44.7 -> 36.1 us,
-  // [2,21504,2048] 165 -> 159 us, the gated residual's [2,21504,2048] 151 -> 144 us; adaln
-  // layer [2,21504,2048], whose rows then wait for each other at two barriers per row, 195
-  // -> 196 us. Rows without sums, and 128-thread rows, are not helped.
+  // With column sums, rows of 64 threads share a block, up to four at a time, for a quarter
+  // of those partial rows, as long as as many threads stay resident per SM (16-bit AdaLN's
+  // two grads take 68 KB for four rows: on the H200 two such blocks fit, on sm_75 or sm_86
+  // the shared memory would cut the resident threads, so they keep a row per block). H200,
+  // bf16, same run: adaln rms [2,2688,2048] 44.7 -> 36.1 us, [2,21504,2048] 165 -> 159 us,
+  // the gated residual's [2,21504,2048] 151 -> 144 us; adaln layer [2,21504,2048], whose
+  // rows then wait for each other at two barriers per row, 195 -> 196 us. Rows without
+  // sums, and 128-thread rows, are not helped.
+  auto blocks_per_sm = [&](int threads) {
+    return max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, threads, threads * thread_shared);
+  };
   int block = cfg.block;
   const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32]);
   while (sums && cfg.threads_per_row <= 64 && block < 4 * cfg.threads_per_row &&
-         2 * block * thread_shared <= shared_room) {
+         2 * block * thread_shared <= shared_room && 2 * blocks_per_sm(2 * block) >= blocks_per_sm(block)) {
     block *= 2;
   }
   const int rows_per_block = block / cfg.threads_per_row;
@@ -608,8 +613,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
 
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
-  const int64_t resident = static_cast<int64_t>(sm_count(device)) *
-                           max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, block, shared);
+  const int64_t resident = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(block);
   const int64_t wanted = std::max<int64_t>(1, resident / (groups * slices));
   const int row_blocks = static_cast<int>(std::min<int64_t>(
       {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));

@@ -151,24 +151,45 @@ GATED_SHAPES = [((2, 10, 64), (2, 1, 64)), ((2, 10, 64), (2, 64)), ((2, 10, 64),
                 ((2, 3, 9000), (2, 1, 9000)), ((2, 3, 9000), (2, 3, 9000)), ((2, 300, 65), (65,))]
 
 
-# Rows on 64 CUDA threads (2048 16-bit or 1024 fp32 columns as vectors; 509, the scalar
-# path): with column sums, four such rows share a block (each reduces over its own warps).
-# 301 rows per batch entry leave the last block of a walk part-empty.
-@pytest.mark.parametrize("op", ["rms_norm", "adaln_rms", "adaln_layer", "gated_residual"])
+# Rows on 64 CUDA threads (as vectors: 2048 16-bit or 1024 fp32 columns, and 1024 columns
+# when a 16-bit input gets fp32 grads; 509 columns on the scalar path): with column sums,
+# such rows share a block, up to four, each reducing over its own warps. 301 rows per batch
+# entry leave the last block of a walk part-empty. Also the extra grad (the residual's, in
+# gated_residual_adaln) and a per-token scale beside a summed shift.
+SHARING_OPS = ["rms_norm", "rms_norm_fp32_out", "adaln_rms", "adaln_layer", "adaln_per_token_scale",
+               "gated_residual", "gated_residual_adaln"]
+
+
+@pytest.mark.parametrize("op", SHARING_OPS)
 @pytest.mark.parametrize("path", ["vector", "scalar"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grads_of_rows_sharing_a_block(kernel, device, op, path, dtype):
-    cols = 509 if path == "scalar" else 1024 if dtype == torch.float32 else 2048
+    wide = dtype != torch.float32 and op != "rms_norm_fp32_out"
+    cols = 509 if path == "scalar" else 2048 if wide else 1024
     (x,) = _leaves(device, dtype, (2, 301, cols))
+    per_batch = (2, 1, cols)
     if op == "rms_norm":
         (w,) = _leaves(device, dtype, (cols,))
         _assert_grads_match(kernel.rms_norm(x, w, 1e-6), lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dtype)
+    elif op == "rms_norm_fp32_out":
+        w = torch.randn(cols, device=device).requires_grad_()
+        y = kernel.rms_norm(x, w, 1e-6, cast_before_weight=True, out_dtype=torch.float32)
+        _assert_grads_match(y, lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dtype)
     elif op == "gated_residual":
-        r, gate = _leaves(device, dtype, x.shape, (2, 1, cols))
+        r, gate = _leaves(device, dtype, x.shape, per_batch)
         _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * g, [r, x, gate], dtype)
+    elif op == "gated_residual_adaln":
+        r, gate, scale, shift = _leaves(device, dtype, x.shape, per_batch, per_batch, per_batch)
+
+        def reference(r, x, gate, scale, shift):
+            h = r + x * gate
+            return h, adaln_ref(h, scale, shift, 1e-6, "rms")
+
+        ours = kernel.gated_residual_adaln(r, x, gate, scale, shift, 1e-6, norm="rms")
+        _assert_grads_match(ours, reference, [r, x, gate, scale, shift], dtype)
     else:
-        norm = op.removeprefix("adaln_")
-        scale, shift = _leaves(device, dtype, (2, 1, cols), (2, 1, cols))
+        norm = "layer" if op == "adaln_layer" else "rms"
+        scale, shift = _leaves(device, dtype, x.shape if op == "adaln_per_token_scale" else per_batch, per_batch)
         y = kernel.adaln(x, scale, shift, 1e-6, norm=norm)
         _assert_grads_match(y, lambda x, s, t: adaln_ref(x, s, t, 1e-6, norm), [x, scale, shift], dtype)
 

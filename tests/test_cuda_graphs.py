@@ -21,6 +21,8 @@ def _cases(k):
     x, w, mod, tok = r(4, 300, 256), r(256), r(4, 1, 256), r(4, 300, 256)
     q, kk, cos = r(2, 8, 64, 128), r(2, 2, 64, 128), r(64, 128, dtype=torch.float32)
     lq, lcos = r(2, 64, 512), r(2, 64, 512, dtype=torch.float32)
+    # 2048 columns: rows on 64 threads, four to a block (68 KB of shared memory on the H200)
+    wide, wide_mod = r(2, 301, 2048), r(2, 1, 2048)
     return {
         "rms_norm": ([x, w], lambda x, w: k.rms_norm(x, w, 1e-6)),
         "fused_add_rms_norm": ([x, tok, w], lambda x, r, w: k.fused_add_rms_norm(x, r, w, 1e-6)),
@@ -39,6 +41,8 @@ def _cases(k):
         "geglu": ([x], lambda x: k.geglu(x, "none")),
         "rms_norm_backward": ([x, x, w], lambda g, x, w: k.ops.rms_norm_backward(g, x, w, 1e-6, 0.0, False, None)),
         "adaln_backward": ([x, x, mod, mod], lambda g, x, s, t: k.ops.adaln_backward(g, x, s, t, 1e-6, "layer", None)),
+        "adaln_backward_rows_sharing_a_block": ([wide, wide, wide_mod, wide_mod], lambda g, x, s, t:
+                                                k.ops.adaln_backward(g, x, s, t, 1e-6, "rms", None)),
         "gated_residual_backward": ([x, x, mod], lambda g, x, gate: k.ops.gated_residual_backward(g, x, gate)),
         "rope_backward": ([q, kk, cos, cos], lambda gq, gk, c, s: k.ops.rope_backward(gq, gk, c, s, True, 2)),
         "gelu_backward": ([x, x], lambda g, x: k.ops.gelu_backward(g, x, "tanh")),
