@@ -127,17 +127,20 @@ def test_adaln_grads_wide_rows_and_chunk_views(kernel, device, dtype):
     _assert_grads_match(y, lambda x, e: adaln_ref(x, *e.chunk(2, dim=-1), 1e-6, "layer"), [x, emb], dtype)
 
 
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
-    r, x, gate, scale, shift = _leaves(device, dtype, (2, 40, 64), (2, 40, 64), (2, 1, 64), (2, 64), (2, 64))
-
+def _gated_residual_adaln_ref(norm):
     def reference(r, x, gate, scale, shift):
         h = r + x * gate
         return h, adaln_ref(h, scale, shift, 1e-6, norm)
 
+    return reference
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
+    r, x, gate, scale, shift = _leaves(device, dtype, (2, 40, 64), (2, 40, 64), (2, 1, 64), (2, 64), (2, 64))
     ours = kernel.gated_residual_adaln(r, x, gate, scale, shift, 1e-6, norm=norm)
-    _assert_grads_match(ours, reference, [r, x, gate, scale, shift], dtype)
+    _assert_grads_match(ours, _gated_residual_adaln_ref(norm), [r, x, gate, scale, shift], dtype)
 
 
 # (input, gate) shapes over the backward's paths: per-batch, shared and per-token gates,
@@ -180,13 +183,8 @@ def test_grads_of_rows_sharing_a_block(kernel, device, op, path, dtype):
         _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * g, [r, x, gate], dtype)
     elif op == "gated_residual_adaln":
         r, gate, scale, shift = _leaves(device, dtype, x.shape, per_batch, per_batch, per_batch)
-
-        def reference(r, x, gate, scale, shift):
-            h = r + x * gate
-            return h, adaln_ref(h, scale, shift, 1e-6, "rms")
-
         ours = kernel.gated_residual_adaln(r, x, gate, scale, shift, 1e-6, norm="rms")
-        _assert_grads_match(ours, reference, [r, x, gate, scale, shift], dtype)
+        _assert_grads_match(ours, _gated_residual_adaln_ref("rms"), [r, x, gate, scale, shift], dtype)
     else:
         norm = "layer" if op == "adaln_layer" else "rms"
         scale, shift = _leaves(device, dtype, x.shape if op == "adaln_per_token_scale" else per_batch, per_batch)
