@@ -100,6 +100,16 @@ __device__ __forceinline__ void store_n(T* p, const Vec<T, N>& v) {
   }
 }
 
+// Asks L2 for `bytes` from p (one prefetch per 128-byte line), spread over `threads`
+// threads of which this is `thread`: no registers wait for it, so it keeps DRAM busy while
+// the threads are held at a barrier.
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes, int thread, int threads) {
+  const char* line = static_cast<const char*>(p);
+  for (int offset = thread * 128; offset < bytes; offset += threads * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(line + offset));
+  }
+}
+
 // Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the
 // group gets the result.
 __device__ __forceinline__ float group_sum(float v, int width) {
