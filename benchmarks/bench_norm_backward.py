@@ -7,7 +7,8 @@ through autograd; this isolates the backward op to tune it.
 
 Bytes counted: x and dy read, dx written (and the extra grad read when given; per-token
 AdaLN also reads its [B,S,D] scale and writes its two per-row column-grad tensors). The
-column-grad sums and the weight or broadcast scale are small and not counted. The gated
+column-grad sums, the weight or broadcast scale and AdaLN's saved row statistics (8 bytes a
+row) are small and not counted. The gated
 residual's backward reads x and dy and writes dx (a per-token gate: also reads the gate and
 writes its grad); its "torch" rows time the two PyTorch expressions it replaces.
 """
@@ -46,16 +47,19 @@ def rms_case(ops, rows, cols, dtype=BF16, weight_dtype=None, weight=True, extra=
     return name, make_call, rows * cols * dtype.itemsize * (4 if extra else 3)
 
 
-def adaln_case(ops, batch, tokens, cols, norm="rms", per_token=False):
+def adaln_case(ops, batch, tokens, cols, norm="rms", per_token=False, saved_stats=True):
+    """saved_stats: the forward's row statistics given, as autograd calls it; else recomputed."""
     def make_call():
         x = torch.randn(batch, tokens, cols, device="cuda", dtype=BF16)
         dy = torch.randn_like(x)
         scale = torch.randn(batch, tokens if per_token else 1, cols, device="cuda", dtype=BF16) * 0.1
         shift = torch.randn_like(scale)
-        return lambda: ops.adaln_backward(dy, x, scale, shift, 1e-6, norm, None)
+        stats = ops.adaln_with_stats(x, scale, shift, 1e-6, norm)[1] if saved_stats else None
+        return lambda: ops.adaln_backward(dy, x, scale, shift, 1e-6, norm, None, stats)
 
     mod = f"[{batch},{tokens},{cols}]" if per_token else f"[{batch},1,{cols}]"
-    name = f"adaln_backward {norm} [{batch},{tokens},{cols}] scale/shift {mod} bfloat16"
+    stats = "" if saved_stats else ", statistics recomputed"
+    name = f"adaln_backward {norm} [{batch},{tokens},{cols}] scale/shift {mod} bfloat16{stats}"
     return name, make_call, batch * tokens * cols * BF16.itemsize * (6 if per_token else 3)
 
 
@@ -91,7 +95,8 @@ def main():
         rms_case(ops, 32768, 4096, weight_dtype=torch.float32), rms_case(ops, 32768, 4096, dtype=torch.float16),
         rms_case(ops, 32768, 4096, dtype=torch.float32),
         adaln_case(ops, 2, 21504, 2048), adaln_case(ops, 2, 2688, 2048), adaln_case(ops, 2, 21504, 2048, "layer"),
-        adaln_case(ops, 2, 2688, 2048, per_token=True),
+        adaln_case(ops, 2, 2688, 2048, "layer"), adaln_case(ops, 2, 2688, 2048, per_token=True),
+        adaln_case(ops, 2, 21504, 2048, saved_stats=False), adaln_case(ops, 2, 21504, 2048, "layer", saved_stats=False),
         gated_case(ops, 2, 21504, 2048), gated_case(ops, 2, 21504, 2048, torch_formula=True),
         gated_case(ops, 2, 2688, 2048), gated_case(ops, 2, 2688, 2048, torch_formula=True),
         gated_case(ops, 2, 2688, 2048, per_token=True),

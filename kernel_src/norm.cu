@@ -27,6 +27,7 @@ template <typename T, typename W, typename O>
 struct NormParams {
   O* out;             // [rows, cols], rows out_stride apart; nullptr for kNone
   T* residual_out;    // [rows, cols] or nullptr
+  float2* stats;      // [rows] (mean, rstd) or nullptr
   const T* input;     // [rows, cols]
   const T* residual;  // [rows, cols] or nullptr
   const W* weight;    // [cols] or nullptr
@@ -124,6 +125,7 @@ __global__ void __launch_bounds__(max_block(RESIDUAL, MODULATE)) norm_kernel(con
     }
     if (!active) return;
     const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+    if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
 
     O* y_row = p.out + r * p.out_stride;
     const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
@@ -162,6 +164,7 @@ template <typename T, typename W, typename O>
 NormParams<T, W, O> make_params(const NormArgs& a) {
   return {static_cast<O*>(a.out),
           static_cast<T*>(a.residual_out),
+          reinterpret_cast<float2*>(a.stats),
           static_cast<const T*>(a.input),
           static_cast<const T*>(a.residual),
           static_cast<const W*>(a.weight),
@@ -259,6 +262,7 @@ struct NormBwdParams {
   const T* grad_extra;
   const W* weight;
   const T* scale;
+  const float2* stats;  // the forward's (mean, rstd) per row, or nullptr
   T* factor_rows;
   T* shift_rows;
   float* factor_partial;  // [groups, gridDim.y, cols]
@@ -440,16 +444,35 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     };
 
     float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
-    if constexpr (kLayer) {
-      float s[1] = {0.f};
-      for_row([&](const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
+    // AdaLN's backward may have the forward's statistics: one reduction then, of the dn
+    // sums alone (sum of dn * centred, and LayerNorm's sum of dn).
+    constexpr bool kMayHaveStats = kNormed && MODULATE;
+    if (kMayHaveStats && p.stats != nullptr) {
+      const float2 saved = p.stats[r];
+      mean = saved.x, rstd = saved.y;
+      constexpr int kSums = kLayer ? 2 : 1;
+      float s[kSums] = {};
+      for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) s[0] += xf[j];
+        for (int j = 0; j < VEC; ++j) {
+          const float dn = df[j] * f[j];
+          s[0] += dn * (xf[j] - mean);
+          if constexpr (kLayer) s[1] += dn;
+        }
       });
-      row_sums<1>(s, threads_per_row, scratch);
-      mean = s[0] * p.inv_cols;
-    }
-    if constexpr (kNormed) {
+      row_sums<kSums>(s, threads_per_row, scratch);
+      mean_dn_n = s[0] * rstd * p.inv_cols;
+      mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+    } else if constexpr (kNormed) {
+      if constexpr (kLayer) {
+        float s[1] = {0.f};
+        for_row([&](const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) s[0] += xf[j];
+        });
+        row_sums<1>(s, threads_per_row, scratch);
+        mean = s[0] * p.inv_cols;
+      }
       // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
       constexpr int kSums = kLayer ? 3 : 2;
       float s[kSums] = {};
@@ -650,7 +673,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const NormBwdParams<T, W, G> p{static_cast<T*>(a.grad_input), static_cast<const G*>(a.grad_out),
                                  static_cast<const T*>(a.input), static_cast<const T*>(a.grad_extra),
                                  static_cast<const W*>(a.weight), static_cast<const T*>(a.scale.ptr),
-                                 static_cast<T*>(a.factor_rows), static_cast<T*>(a.shift_rows),
+                                 reinterpret_cast<const float2*>(a.stats), static_cast<T*>(a.factor_rows), static_cast<T*>(a.shift_rows),
                                  factor_partial, shift_partial,
                                  a.scale.batch_stride, a.scale.token_stride, a.group_rows,
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),

@@ -17,6 +17,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace ltx {
 
@@ -39,6 +40,7 @@ struct NormArgs {
 
   void* out = nullptr;           // [rows, cols], or nullptr (kNone)
   void* residual_out = nullptr;  // [rows, cols] residual + input (* gate), or nullptr
+  float* stats = nullptr;        // [rows, 2] each row's mean (0 for RMS) and rstd, or nullptr
   const void* input = nullptr;
   const void* residual = nullptr;
   const void* weight = nullptr;  // [cols] or nullptr
@@ -78,6 +80,7 @@ struct NormBackwardArgs {
   const void* grad_extra = nullptr;  // [rows, cols] added to grad_input (a residual's grad), or nullptr
   const void* weight = nullptr;      // [cols] or nullptr
   Modulation scale;                  // AdaLN's scale or the gate (g = weight_offset + scale), or ptr nullptr
+  const float* stats = nullptr;      // the forward's [rows, 2] (mean, rstd), or nullptr: recomputed
 
   void* factor_rows = nullptr;    // [rows, cols] contiguous dy * n, or nullptr
   float* factor_sums = nullptr;   // [groups, cols] sums of dy * n, or nullptr
@@ -190,7 +193,7 @@ struct Checker {
   // The AdaLN part: norm kind and eps, scale and shift, and out, which must not partly
   // overlap `inputs` (the op's other inputs).
   void adaln(at::Tensor& out, const at::Tensor& scale, const at::Tensor& shift, double eps, const std::string& norm,
-             std::initializer_list<const at::Tensor*> inputs) {
+             std::initializer_list<const at::Tensor*> inputs, at::Tensor* stats_out) {
     a.kind = parse_kind(norm, op);
     check_eps(eps, op);
     a.scale = modulation(scale, "scale");
@@ -200,6 +203,21 @@ struct Checker {
     check_output_overlap(out, inputs, op, "out");
     a.out = out.mutable_data_ptr();
     a.eps = static_cast<float>(eps);
+    if (stats_out != nullptr) a.stats = stats(*stats_out, "stats");
+  }
+
+  // A row-statistics tensor: fp32 [..., 2] (each row's mean and rstd), contiguous, 8-byte
+  // aligned (the CUDA kernels move a row's pair as one access).
+  float* stats(const at::Tensor& t, const char* arg) {
+    check_same_device(t, input, op, arg, "input");
+    std::vector<int64_t> sizes = input.sizes().vec();
+    sizes.back() = 2;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == at::IntArrayRef(sizes), op, ": ", arg,
+                " must be float32 of sizes ", at::IntArrayRef(sizes), " (each row's mean and rstd), got ",
+                t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(t.is_contiguous() && aligned_to(t.const_data_ptr(), 8), op, ": ", arg,
+                " must be contiguous and 8-byte aligned");
+    return static_cast<float*>(const_cast<void*>(t.const_data_ptr()));
   }
 
   Modulation modulation(const at::Tensor& m, const char* arg) {
@@ -371,26 +389,29 @@ void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at:
 }
 
 // out = norm(input) * (1 + scale) + shift, norm "rms" or "layer" (no affine), input
-// [B, S, D] or [B, D], scale and shift [D], [B, D], [B, 1, D] or [B, S, D] views.
+// [B, S, D] or [B, D], scale and shift [D], [B, D], [B, 1, D] or [B, S, D] views. With
+// `stats` (fp32 [..., 2], a fresh tensor), each row's mean and rstd are stored there too,
+// for the backward.
 template <class Backend>
 void adaln_out(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale, const at::Tensor& shift,
-               double eps, const std::string& norm) {
+               double eps, const std::string& norm, at::Tensor* stats = nullptr) {
   constexpr const char* op = "adaln";
   NormArgs a;
   norm_detail::Checker c{op, input, Backend::device, a};
   c.check_input();
   c.batch_tokens();
-  c.adaln(out, scale, shift, eps, norm, {});
+  c.adaln(out, scale, shift, eps, norm, {}, stats);
   if (a.rows > 0) Backend::run(a);
 }
 
 // residual_out = residual + input * gate (the DiT gated residual); with an output, also
-// out = norm(residual_out) * (1 + scale) + shift (the next block's AdaLN) in the same pass.
+// out = norm(residual_out) * (1 + scale) + shift (the next block's AdaLN) in the same pass,
+// and optionally the norm's row statistics (as adaln_out).
 template <class Backend>
 void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor>& out,
                         const at::Tensor& residual, const at::Tensor& input, const at::Tensor& gate,
                         const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
-                        double eps, const std::string& norm) {
+                        double eps, const std::string& norm, at::Tensor* stats = nullptr) {
   constexpr const char* op = "gated_residual";
   NormArgs a;
   norm_detail::Checker c{op, input, Backend::device, a};
@@ -411,7 +432,7 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
     // A row's residual_out is stored before its scale and shift are read: no shared memory.
     check_disjoint_outputs(residual_out, *scale, op, "residual_out", "scale");
     check_disjoint_outputs(residual_out, *shift, op, "residual_out", "shift");
-    c.adaln(out_tensor, *scale, *shift, eps, norm, {&residual, &gate});
+    c.adaln(out_tensor, *scale, *shift, eps, norm, {&residual, &gate}, stats);
   }
   if (a.rows > 0) Backend::run(a);
 }
@@ -453,12 +474,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
 
 // Backward of adaln (and of gated_residual_adaln's norm, whose residual_out grad is
 // grad_extra): returns (grad_input, grad_scale, grad_shift) in the sizes and dtypes of
-// input, scale and shift.
+// input, scale and shift. `stats`, the forward's row statistics, saves the backward
+// computing them again (LayerNorm: a reduction per row).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& grad_out, const at::Tensor& input,
                                                                const at::Tensor& scale, const at::Tensor& shift,
                                                                double eps, const std::string& norm,
-                                                               const std::optional<at::Tensor>& grad_extra) {
+                                                               const std::optional<at::Tensor>& grad_extra,
+                                                               const std::optional<at::Tensor>& stats) {
   constexpr const char* op = "adaln_backward";
   NormArgs a;
   norm_detail::Checker c{op, input, Backend::device, a};
@@ -472,6 +495,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
   b.eps = static_cast<float>(eps);
   b.weight_offset = 1.f;  // g = 1 + scale
+  if (stats.has_value()) b.stats = c.stats(*stats, "stats");
   norm_detail::group_by_batch_entry(b);
   auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
   auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);

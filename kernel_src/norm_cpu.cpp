@@ -84,6 +84,7 @@ void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
     float mean = 0.f;
     if (a.kind == NormKind::kLayer) mean = sum_of(v.data(), n, 0.f, false) * a.inv_cols;
     const float rstd = 1.f / std::sqrt(sum_of(v.data(), n, mean, true) * a.inv_cols + a.eps);
+    if (a.stats != nullptr) a.stats[2 * r] = mean, a.stats[2 * r + 1] = rstd;
 
     const W* w = static_cast<const W*>(a.weight);
     const T* scale = modulation_row<T>(a.scale, batch, token);
@@ -134,9 +135,13 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, f
     }
     const bool layer = a.kind == NormKind::kLayer;
     const bool normed_row = a.kind != NormKind::kNone;  // kNone: n = x, dx = dn
-    const float mean = layer ? sum_of(centred.data(), n, 0.f, false) * a.inv_cols : 0.f;
+    // The forward's statistics, or computed here.
+    const float* saved = a.stats != nullptr ? a.stats + 2 * r : nullptr;
+    const float mean = saved != nullptr ? saved[0] : layer ? sum_of(centred.data(), n, 0.f, false) * a.inv_cols : 0.f;
     for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
-    const float rstd = normed_row ? 1.f / std::sqrt(sum_of(centred.data(), n, 0.f, true) * a.inv_cols + a.eps) : 1.f;
+    const float rstd = saved != nullptr ? saved[1]
+                       : normed_row ? 1.f / std::sqrt(sum_of(centred.data(), n, 0.f, true) * a.inv_cols + a.eps)
+                                    : 1.f;
     const float mean_dn_n = normed_row ? dot(dn.data(), centred.data(), n) * rstd * a.inv_cols : 0.f;
     const float mean_dn = layer ? sum_of(dn.data(), n, 0.f, false) * a.inv_cols : 0.f;
 

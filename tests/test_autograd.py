@@ -30,9 +30,13 @@ def _assert_grads_match(ours, reference, inputs, dtype):
     expected = torch.autograd.grad(ref, inputs64, [c.double() for c in cotangents])
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g.dtype == inputs[i].dtype and g.shape == inputs[i].shape, (i, g.dtype, g.shape)
-        err = (g.double() - e).abs().max().item()
-        bound = GRAD_RTOL[dtype] * max(e.abs().max().item(), 1e-3)
-        assert err <= bound, f"grad {i}: max error {err:.3g} > {bound:.3g}"
+        _assert_grad_close(g, e, dtype, f"grad {i}")
+
+
+def _assert_grad_close(got, expected, dtype, what):
+    err = (got.double() - expected).abs().max().item()
+    bound = GRAD_RTOL[dtype] * max(expected.abs().max().item(), 1e-3)
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 RMS_SHAPES = [(3, 5, 64), (3000, 64), (4, 4100), (2, 12288)]
@@ -141,6 +145,56 @@ def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
     r, x, gate, scale, shift = _leaves(device, dtype, (2, 40, 64), (2, 40, 64), (2, 1, 64), (2, 64), (2, 64))
     ours = kernel.gated_residual_adaln(r, x, gate, scale, shift, 1e-6, norm=norm)
     _assert_grads_match(ours, _gated_residual_adaln_ref(norm), [r, x, gate, scale, shift], dtype)
+
+
+# The forwards autograd calls for AdaLN also store each row's mean and rstd; the backward
+# reads them (one row reduction fewer) or, called without them, computes them. Both match
+# the fp64 reference, on rows sharing a CUDA block (2048 16-bit / 1024 fp32 columns), the
+# scalar path (509) and rows split into column slices (9000); the input's mean is far from 0.
+@pytest.mark.parametrize("op", ["adaln", "gated_residual_adaln"])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("cols", ["sharing", 509, 9000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adaln_backward_with_and_without_saved_stats(kernel, device, op, norm, cols, dtype):
+    cols = (1024 if dtype == torch.float32 else 2048) if cols == "sharing" else cols
+    shape, per_batch = (2, 301, cols), (2, 1, cols)
+
+    def randn(*size):
+        return torch.randn(*size, device=device, dtype=dtype)
+
+    x, scale, shift = randn(shape) * 2 + 3, randn(per_batch), randn(per_batch)
+    if op == "adaln":
+        out, stats = kernel.ops.adaln_with_stats(x, scale, shift, 1e-6, norm)
+        assert torch.equal(out, kernel.ops.adaln(x, scale, shift, 1e-6, norm))
+        normed = x
+    else:
+        residual, gate = randn(shape), randn(per_batch)
+        normed, out, stats = kernel.ops.gated_residual_adaln_with_stats(residual, x, gate, scale, shift, 1e-6, norm)
+        without = kernel.ops.gated_residual_adaln(residual, x, gate, scale, shift, 1e-6, norm)
+        assert torch.equal(normed, without[0]) and torch.equal(out, without[1])
+    n64 = normed.double()
+    mean = n64.mean(-1) if norm == "layer" else torch.zeros_like(n64[..., 0])
+    rstd = (n64 - mean[..., None]).square().mean(-1).add(1e-6).rsqrt()
+    torch.testing.assert_close(stats.double(), torch.stack([mean, rstd], -1), rtol=1e-5, atol=1e-5)
+
+    grad_out = randn(shape)
+    inputs64 = [t.double().requires_grad_() for t in (normed, scale, shift)]
+    expected = torch.autograd.grad(adaln_ref(*inputs64, 1e-6, norm), inputs64, grad_out.double())
+    for saved in (None, stats):
+        got = kernel.ops.adaln_backward(grad_out, normed, scale, shift, 1e-6, norm, None, saved)
+        for name, g, e in zip(("input", "scale", "shift"), got, expected):
+            _assert_grad_close(g, e, dtype, f"grad of {name}, {'saved' if saved is not None else 'no'} stats")
+
+
+def test_adaln_backward_refuses_bad_stats(kernel, device):
+    x, mod = torch.randn(2, 5, 64, device=device), torch.randn(2, 1, 64, device=device)
+    good = torch.stack([torch.zeros(2, 5, device=device), torch.ones(2, 5, device=device)], -1)
+    kernel.ops.adaln_backward(x, x, mod, mod, 1e-6, "layer", None, good)
+    bad = {"dtype": good.bfloat16(), "sizes": good[..., :1], "strides": torch.zeros(2, 5, 4, device=device)[..., ::2],
+           "alignment": torch.zeros(21, device=device)[1:].view(2, 5, 2)}
+    for why, stats in bad.items():
+        with pytest.raises(RuntimeError, match=r"adaln_backward: stats must be"):
+            kernel.ops.adaln_backward(x, x, mod, mod, 1e-6, "layer", None, stats)
 
 
 # (input, gate) shapes over the backward's paths: per-batch, shared and per-token gates,

@@ -43,12 +43,21 @@ def _cases(k):
         "adaln_backward": ([x, x, mod, mod], lambda g, x, s, t: k.ops.adaln_backward(g, x, s, t, 1e-6, "layer", None)),
         "adaln_backward_rows_sharing_a_block": ([wide, wide, wide_mod, wide_mod], lambda g, x, s, t:
                                                 k.ops.adaln_backward(g, x, s, t, 1e-6, "rms", None)),
+        "adaln_with_stats_and_backward": ([x, x, mod, mod], lambda g, x, s, t: _with_stats_backward(k, g, x, s, t)),
+        "gated_residual_adaln_with_stats": ([tok, x, mod, mod, mod], lambda r, x, g, s, t:
+                                            k.ops.gated_residual_adaln_with_stats(r, x, g, s, t, 1e-6, "layer")),
         "gated_residual_backward": ([x, x, mod], lambda g, x, gate: k.ops.gated_residual_backward(g, x, gate)),
         "rope_backward": ([q, kk, cos, cos], lambda gq, gk, c, s: k.ops.rope_backward(gq, gk, c, s, True, 2)),
         "gelu_backward": ([x, x], lambda g, x: k.ops.gelu_backward(g, x, "tanh")),
         "gelu_mul_backward": ([x, x, x], lambda g, a, b: k.ops.gelu_mul_backward(g, a, b, "none")),
         "geglu_backward": ([r(4, 300, 128), x], lambda g, x: k.ops.geglu_backward(g, x, "tanh")),
     }
+
+
+def _with_stats_backward(k, grad, x, scale, shift):
+    """The forward autograd calls for adaln, then its backward from the saved statistics."""
+    out, stats = k.ops.adaln_with_stats(x, scale, shift, 1e-6, "layer")
+    return (out, stats, *k.ops.adaln_backward(grad, x, scale, shift, 1e-6, "layer", None, stats))
 
 
 def _as_tuple(out):

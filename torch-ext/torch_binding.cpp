@@ -45,6 +45,22 @@ Tensor adaln(const Tensor& input, const Tensor& scale, const Tensor& shift, doub
   return out;
 }
 
+// Each row's mean and rstd, fp32 [..., 2], for the backward.
+Tensor empty_stats(const Tensor& input) {
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = 2;
+  return at::empty(sizes, input.options().dtype(at::kFloat));
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> adaln_with_stats(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+                                            c10::string_view norm) {
+  Tensor out = empty_rows_like(input, input.scalar_type());
+  Tensor stats = empty_stats(input);
+  ltx::adaln_out<B>(out, input, scale, shift, eps, std::string(norm), &stats);
+  return {out, stats};
+}
+
 template <class B>
 void adaln_out(Tensor& out, const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
                c10::string_view norm) {
@@ -71,6 +87,18 @@ std::tuple<Tensor, Tensor> gated_residual_adaln(const Tensor& residual, const Te
   Tensor out = empty_rows_like(input, input.scalar_type());
   ltx::gated_residual_out<B>(residual_out, out, residual, input, gate, scale, shift, eps, std::string(norm));
   return {residual_out, out};
+}
+
+template <class B>
+std::tuple<Tensor, Tensor, Tensor> gated_residual_adaln_with_stats(const Tensor& residual, const Tensor& input,
+                                                                   const Tensor& gate, const Tensor& scale,
+                                                                   const Tensor& shift, double eps,
+                                                                   c10::string_view norm) {
+  Tensor residual_out = empty_rows_like(input, input.scalar_type());
+  Tensor out = empty_rows_like(input, input.scalar_type());
+  Tensor stats = empty_stats(input);
+  ltx::gated_residual_out<B>(residual_out, out, residual, input, gate, scale, shift, eps, std::string(norm), &stats);
+  return {residual_out, out, stats};
 }
 
 template <class B>
@@ -155,8 +183,8 @@ std::tuple<Tensor, Tensor> rope_backward(const Tensor& grad_q, const Tensor& gra
 template <class B>
 std::tuple<Tensor, Tensor, Tensor> adaln_backward(const Tensor& grad_out, const Tensor& input, const Tensor& scale,
                                                   const Tensor& shift, double eps, c10::string_view norm,
-                                                  const optional<Tensor>& grad_extra) {
-  return ltx::adaln_backward<B>(grad_out, input, scale, shift, eps, std::string(norm), grad_extra);
+                                                  const optional<Tensor>& grad_extra, const optional<Tensor>& stats) {
+  return ltx::adaln_backward<B>(grad_out, input, scale, shift, eps, std::string(norm), grad_extra, stats);
 }
 
 template <class B>
@@ -206,10 +234,12 @@ void impl_norm_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("fused_add_rms_norm_out", device, &ltx::fused_add_rms_norm_out<B>);
   ops.impl("adaln", device, &adaln<B>);
   ops.impl("adaln_out", device, &adaln_out<B>);
+  ops.impl("adaln_with_stats", device, &adaln_with_stats<B>);
   ops.impl("gated_residual", device, &gated_residual<B>);
   ops.impl("gated_residual_out", device, &gated_residual_out<B>);
   ops.impl("gated_residual_adaln", device, &gated_residual_adaln<B>);
   ops.impl("gated_residual_adaln_out", device, &gated_residual_adaln_out<B>);
+  ops.impl("gated_residual_adaln_with_stats", device, &gated_residual_adaln_with_stats<B>);
   ops.impl("rms_norm_backward", device, &ltx::rms_norm_backward<B>);
   ops.impl("adaln_backward", device, &adaln_backward<B>);
   ops.impl("gated_residual_backward", device, &ltx::gated_residual_backward<B>);
@@ -234,11 +264,16 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
           "float eps, str norm) -> (Tensor, Tensor)");
   ops.def("gated_residual_adaln_out(Tensor! residual_out, Tensor! out, Tensor residual, Tensor input, "
           "Tensor gate, Tensor scale, Tensor shift, float eps, str norm) -> ()");
+  // The forwards that autograd calls (torch_autograd.cpp): also each row's mean and rstd,
+  // fp32 [..., 2], which the backward then reads instead of recomputing.
+  ops.def("adaln_with_stats(Tensor input, Tensor scale, Tensor shift, float eps, str norm) -> (Tensor, Tensor)");
+  ops.def("gated_residual_adaln_with_stats(Tensor residual, Tensor input, Tensor gate, Tensor scale, Tensor shift, "
+          "float eps, str norm) -> (Tensor, Tensor, Tensor)");
   // Backward ops: the grads of each differentiable input (see torch_autograd.cpp).
   ops.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps, float weight_offset, "
           "bool cast_before_weight, Tensor? grad_extra) -> (Tensor, Tensor)");
   ops.def("adaln_backward(Tensor grad_out, Tensor input, Tensor scale, Tensor shift, float eps, str norm, "
-          "Tensor? grad_extra) -> (Tensor, Tensor, Tensor)");
+          "Tensor? grad_extra, Tensor? stats=None) -> (Tensor, Tensor, Tensor)");
   ops.def("gated_residual_backward(Tensor grad_out, Tensor input, Tensor gate) -> (Tensor, Tensor)");
 
   ops.def("gelu(Tensor input, str approximate) -> Tensor");

@@ -9,8 +9,9 @@ computed in fp32 and every output is rounded once. Outputs are new contiguous te
 or the ``out=`` tensors given (same sizes as the input; they may be the inputs).
 
 Autograd: the functional forms (not ``out=``) are differentiable in every input tensor;
-the backward kernels recompute the row statistics and reduce weight, scale, shift and
-gate grads in fp32 in a fixed order (deterministic). Double backward is not supported.
+AdaLN's forward then also stores each row's mean and rstd (8 bytes a row) for its backward,
+the RMSNorm backward recomputes them; weight, scale, shift and gate grads are reduced in
+fp32 in a fixed order (deterministic). Double backward is not supported.
 """
 
 from typing import Optional, Tuple
@@ -168,6 +169,15 @@ def _(x, scale, shift, eps, norm):
     return _empty_rows_like(x)
 
 
+def _empty_stats(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], 2), dtype=torch.float32)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("adaln_with_stats"))
+def _(x, scale, shift, eps, norm):
+    return _empty_rows_like(x), _empty_stats(x)
+
+
 @torch.library.register_fake(add_op_namespace_prefix("gated_residual"))
 def _(residual, x, gate):
     return _empty_rows_like(x)
@@ -176,6 +186,11 @@ def _(residual, x, gate):
 @torch.library.register_fake(add_op_namespace_prefix("gated_residual_adaln"))
 def _(residual, x, gate, scale, shift, eps, norm):
     return _empty_rows_like(x), _empty_rows_like(x)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_residual_adaln_with_stats"))
+def _(residual, x, gate, scale, shift, eps, norm):
+    return _empty_rows_like(x), _empty_rows_like(x), _empty_stats(x)
 
 
 for _name in ("rms_norm_out", "fused_add_rms_norm_out", "adaln_out", "gated_residual_out",
@@ -191,7 +206,7 @@ def _(grad_out, x, weight, eps, weight_offset, cast_before_weight, grad_extra):
 
 
 @torch.library.register_fake(add_op_namespace_prefix("adaln_backward"))
-def _(grad_out, x, scale, shift, eps, norm, grad_extra):
+def _(grad_out, x, scale, shift, eps, norm, grad_extra, stats=None):
     return (_empty_rows_like(x), torch.empty_like(scale, memory_format=torch.contiguous_format),
             torch.empty_like(shift, memory_format=torch.contiguous_format))
 
