@@ -203,12 +203,15 @@ struct Checker {
     check_output_overlap(out, inputs, op, "out");
     a.out = out.mutable_data_ptr();
     a.eps = static_cast<float>(eps);
-    if (stats_out != nullptr) a.stats = stats(*stats_out, "stats");
+    if (stats_out != nullptr) {
+      check_stats(*stats_out, "stats");
+      a.stats = stats_out->mutable_data_ptr<float>();
+    }
   }
 
   // A row-statistics tensor: fp32 [..., 2] (each row's mean and rstd), contiguous, 8-byte
   // aligned (the CUDA kernels move a row's pair as one access).
-  float* stats(const at::Tensor& t, const char* arg) {
+  void check_stats(const at::Tensor& t, const char* arg) {
     check_same_device(t, input, op, arg, "input");
     std::vector<int64_t> sizes = input.sizes().vec();
     sizes.back() = 2;
@@ -217,7 +220,6 @@ struct Checker {
                 t.scalar_type(), " ", t.sizes());
     TORCH_CHECK(t.is_contiguous() && aligned_to(t.const_data_ptr(), 8), op, ": ", arg,
                 " must be contiguous and 8-byte aligned");
-    return static_cast<float*>(const_cast<void*>(t.const_data_ptr()));
   }
 
   Modulation modulation(const at::Tensor& m, const char* arg) {
@@ -495,7 +497,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
   b.eps = static_cast<float>(eps);
   b.weight_offset = 1.f;  // g = 1 + scale
-  if (stats.has_value()) b.stats = c.stats(*stats, "stats");
+  if (stats.has_value()) {
+    c.check_stats(*stats, "stats");
+    b.stats = stats->const_data_ptr<float>();
+  }
   norm_detail::group_by_batch_entry(b);
   auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
   auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);
