@@ -10,8 +10,8 @@ or the ``out=`` tensors given (same sizes as the input; they may be the inputs).
 
 Autograd: the functional forms (not ``out=``) are differentiable in every input tensor;
 AdaLN's forward then also stores each row's mean and rstd (8 bytes a row) for its backward,
-the RMSNorm backward recomputes them; weight, scale, shift and gate grads are reduced in
-fp32 in a fixed order (deterministic). Double backward is not supported.
+while RMSNorm's backward recomputes them. Weight, scale, shift and gate grads are reduced
+in fp32 in a fixed order (deterministic). Double backward is not supported.
 """
 
 from typing import Optional, Tuple
