@@ -113,6 +113,14 @@ void with_weight_types(bool weight_fp32, bool out_fp32, Fn&& fn) {
   return fn(Type<T>{}, Type<T>{});
 }
 
+// Sizes of a norm's row statistics: the input's with a last dim of 2 (each row's mean, 0
+// for RMSNorm, and rstd), in fp32.
+inline std::vector<int64_t> stats_sizes(const at::Tensor& input) {
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = 2;
+  return sizes;
+}
+
 void run_norm_cpu(const NormArgs& args);
 void run_norm_backward_cpu(const NormBackwardArgs& args);
 #if defined(CUDA_KERNEL)
@@ -213,8 +221,7 @@ struct Checker {
   // aligned (the CUDA kernels move a row's pair as one access).
   void check_stats(const at::Tensor& t, const char* arg) {
     check_same_device(t, input, op, arg, "input");
-    std::vector<int64_t> sizes = input.sizes().vec();
-    sizes.back() = 2;
+    const std::vector<int64_t> sizes = stats_sizes(input);
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == at::IntArrayRef(sizes), op, ": ", arg,
                 " must be float32 of sizes ", at::IntArrayRef(sizes), " (each row's mean and rstd), got ",
                 t.scalar_type(), " ", t.sizes());

@@ -47,9 +47,7 @@ Tensor adaln(const Tensor& input, const Tensor& scale, const Tensor& shift, doub
 
 // Each row's mean and rstd, fp32 [..., 2], for the backward.
 Tensor empty_stats(const Tensor& input) {
-  std::vector<int64_t> sizes = input.sizes().vec();
-  sizes.back() = 2;
-  return at::empty(sizes, input.options().dtype(at::kFloat));
+  return at::empty(ltx::stats_sizes(input), input.options().dtype(at::kFloat));
 }
 
 template <class B>
