@@ -407,13 +407,16 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     // flight. The block's next row, asked into L2 now, keeps DRAM busy meanwhile (H200,
     // bf16: adaln rms [2,21504,2048] 159 -> 146 us, rms 32768x8192 443 -> 409 us). The
     // gated residual, with no row sums, and rows within a warp were slower with it, and
-    // so was a prefetch two rows ahead.
+    // so was a prefetch two rows ahead. The saved statistics' line too: loaded from DRAM,
+    // they would hold up the write pass (adaln layer [2,21504,2048] 157 -> 153 us).
     const int64_t next = base + row_step + row_in_block;
+    constexpr bool kMayHaveStats = kNormed && MODULATE;
     if (kNormed && threads_per_row > 32 && next < p.group_rows) {
       const int first_col = slice * slice_cols, cols = min(slice_cols, p.cols - first_col);
       const int64_t next_r = group_first + next;
       prefetch_l2(p.input + next_r * p.input_stride + first_col, cols * sizeof(T), t, threads_per_row);
       prefetch_l2(p.grad_out + next_r * p.grad_out_stride + first_col, cols * sizeof(G), t, threads_per_row);
+      if (kMayHaveStats && p.stats != nullptr && t == 0) prefetch_l2(p.stats + next_r, sizeof(float2), 0, 1);
     }
 
     // Calls fn(x, dy, factor) in fp32 for every vector of the row this thread covers: its
@@ -445,8 +448,10 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 
     float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
     // AdaLN's backward may have the forward's statistics: one reduction then, of the dn
-    // sums alone (sum of dn * centred, and LayerNorm's sum of dn).
-    constexpr bool kMayHaveStats = kNormed && MODULATE;
+    // sums alone (sum of dn * centred, and LayerNorm's sum of dn). The centred sum is taken
+    // as sum(dn * x) - mean * sum(dn), so that the sums wait for no statistic (adaln layer
+    // [2,21504,2048] 153 -> 150 us); its rounding grows with |mean| / std, to about 1e-5
+    // of dn at 1000 (CPU study in docs/performance.md), far below bf16's.
     if (kMayHaveStats && p.stats != nullptr) {
       const float2 saved = p.stats[r];
       if constexpr (kLayer) mean = saved.x;  // RMSNorm's is 0: known at compile time
@@ -457,11 +462,12 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float dn = df[j] * f[j];
-          s[0] += dn * (xf[j] - mean);
+          s[0] += dn * xf[j];
           if constexpr (kLayer) s[1] += dn;
         }
       });
       row_sums<kSums>(s, threads_per_row, scratch);
+      if constexpr (kLayer) s[0] = fmaf(-mean, s[1], s[0]);
       mean_dn_n = s[0] * rstd * p.inv_cols;
       mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
     } else if constexpr (kNormed) {
