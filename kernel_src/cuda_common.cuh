@@ -110,6 +110,37 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes, int thread
   }
 }
 
+// Thread-block clusters (sm_90 and later): the blocks of one cluster run at the same time
+// and read each other's shared memory. Launches choose them only on such devices.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LTX_CLUSTERS 1
+#endif
+
+// Every thread of every block of the cluster arrives, then waits for all: shared-memory
+// writes before it are visible to the whole cluster after it.
+__device__ __forceinline__ void cluster_barrier() {
+#ifdef LTX_CLUSTERS
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// The float at `local` (in this block's shared memory) of block `rank` of the cluster.
+__device__ __forceinline__ float load_cluster_shared(const float* local, int rank) {
+#ifdef LTX_CLUSTERS
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  float value;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+  return value;
+#else
+  __trap();
+  return 0.f;
+#endif
+}
+
 // Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the
 // group gets the result.
 __device__ __forceinline__ float group_sum(float v, int width) {
@@ -205,6 +236,27 @@ inline int max_blocks_per_sm(const void* kernel, int device, int block, std::siz
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block, shared));
   cache.emplace(key, blocks);
   return blocks;
+}
+
+// Clusters of `cluster` blocks (along x) of `kernel` resident at once on `device`, which
+// must be current (sm_90 and later); call max_blocks_per_sm first for the shared memory.
+inline int max_active_clusters(const void* kernel, int device, int cluster, int block, std::size_t shared) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int, int, std::size_t>, int> cache;
+  const auto key = std::make_tuple(kernel, device, cluster, block, shared);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(cluster), config.blockDim = dim3(block), config.dynamicSmemBytes = shared;
+  config.attrs = &attribute, config.numAttrs = 1;
+  int clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  cache.emplace(key, clusters);
+  return clusters;
 }
 
 }  // namespace ltx

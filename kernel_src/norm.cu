@@ -273,6 +273,9 @@ struct NormBwdParams {
   int cols;
   float eps, inv_cols, weight_offset;
   bool cast_before_weight;
+  // More than 1: the row's slices are the blocks of one cluster, which add their row sums
+  // through each other's shared memory (sm_90) rather than each reading the whole row.
+  int cluster_blocks;
 };
 
 // Sums N values over one row's threads at once (one pair of barriers for all of them). A
@@ -294,6 +297,22 @@ __device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, flo
   for (int j = 0; j < N; ++j) v[j] = group_sum(lane < row_warps ? scratch[j][first_warp + lane] : 0.f, 32);
 }
 
+// Adds the block sums v over the `blocks` blocks of the cluster: each puts its own in
+// `mine` (shared memory), then every warp adds all of them in rank order, so that every
+// block gets the same bits. Alternate two `mine` buffers: a block writes one again only
+// after the next barrier, which every block reaches after its reads.
+template <int N>
+__device__ __forceinline__ void add_cluster_sums(float (&v)[N], float* mine, int blocks) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) mine[j] = v[j];
+  }
+  cluster_barrier();
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < blocks ? load_cluster_shared(mine + j, lane) : 0.f, 32);
+}
+
 template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE>
 __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
@@ -301,6 +320,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   extern __shared__ float4 column_acc_storage[];
   float* column_acc = reinterpret_cast<float*>(column_acc_storage);
   __shared__ float scratch[kBwdRowSums][32];
+  __shared__ float cluster_sums[2][kBwdRowSums];
   constexpr int kVecs = bwd_vecs(VEC, sizeof(G));
   constexpr int kAccs = bwd_accs(KIND, MODULATE);
   constexpr bool kLayer = KIND == NormKind::kLayer;
@@ -381,6 +401,14 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   };
   if (!factor_per_row) load_own_factor(0);
 
+  // Sums over the row: its threads, then (clustered) the blocks of its other slices.
+  const bool clustered = p.cluster_blocks > 1;
+  int cluster_round = 0;
+  auto sum_row = [&](auto& sums) {
+    row_sums(sums, threads_per_row, scratch);
+    if (clustered) add_cluster_sums(sums, cluster_sums[cluster_round++ % 2], p.cluster_blocks);
+  };
+
   // The block's slice of its current row.
   Vec<T, VEC> xs[kVecs];
   Vec<G, VEC> dys[kVecs];
@@ -420,7 +448,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     }
 
     // Calls fn(x, dy, factor) in fp32 for every vector of the row this thread covers: its
-    // own slice from registers, then the other slices from memory.
+    // own slice from registers, then (unclustered) the other slices from memory.
     auto for_row = [&](auto&& fn) {
       if (!active) return;
 #pragma unroll
@@ -431,7 +459,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
         to_floats(dys[k], df);
         fn(xf, df, own_factor[k]);
       }
-      for (int c = 0; c < slices; ++c) {
+      for (int c = 0; !clustered && c < slices; ++c) {
         if (c == slice) continue;
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) {
@@ -466,7 +494,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
           if constexpr (kLayer) s[1] += dn;
         }
       });
-      row_sums<kSums>(s, threads_per_row, scratch);
+      sum_row(s);
       if constexpr (kLayer) s[0] = fmaf(-mean, s[1], s[0]);
       mean_dn_n = s[0] * rstd * p.inv_cols;
       mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
@@ -477,7 +505,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 #pragma unroll
           for (int j = 0; j < VEC; ++j) s[0] += xf[j];
         });
-        row_sums<1>(s, threads_per_row, scratch);
+        sum_row(s);
         mean = s[0] * p.inv_cols;
       }
       // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
@@ -493,7 +521,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
           if constexpr (kLayer) s[kSums - 1] += dn;
         }
       });
-      row_sums<kSums>(s, threads_per_row, scratch);
+      sum_row(s);
       rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
       mean_dn_n = s[1] * rstd * p.inv_cols;
       mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
@@ -561,6 +589,8 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     }
   }
 
+  // No block of the cluster may leave while another may still read its row sums.
+  if (clustered) cluster_barrier();
   // This block's partial column sums: over its rows_per_block rows (in order), then out.
   if (!accumulate) return;
   __syncthreads();
@@ -648,7 +678,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     return max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, threads, threads * thread_shared);
   };
   int block = cfg.block;
-  const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32]);
+  const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32 + 2]);
   while (sums && cfg.threads_per_row <= 64 && block < 4 * cfg.threads_per_row &&
          2 * block * thread_shared <= shared_room && 2 * blocks_per_sm(2 * block) >= blocks_per_sm(block)) {
     block *= 2;
@@ -660,10 +690,16 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                         " rows with ", a.tokens, " tokens per batch entry");
   const std::size_t shared = block * thread_shared;
 
+  // Rows wider than one block: on sm_90 its slices form a cluster (up to the portable 8)
+  // and exchange their row sums, so that each block reads only its own slice (else each
+  // reads the whole row for the sums, and the wider the row the more it re-reads).
+  const bool clustered =
+      slices > 1 && slices <= 8 && device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
-  const int64_t resident = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(block);
-  const int64_t wanted = std::max<int64_t>(1, resident / (groups * slices));
+  int64_t resident_rows = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(block) / slices;
+  if (clustered) resident_rows = max_active_clusters(reinterpret_cast<const void*>(kernel), device, slices, block, shared);
+  const int64_t wanted = std::max<int64_t>(1, resident_rows / groups);
   const int row_blocks = static_cast<int>(std::min<int64_t>(
       {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
   TORCH_CHECK(groups <= 65535, "norm backward: ", groups, " batch entries is more than one launch takes (65535)");
@@ -692,9 +728,20 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  factor_partial, shift_partial,
                                  a.scale.batch_stride, a.scale.token_stride, a.group_rows,
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
-                                 a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+                                 a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight,
+                                 clustered ? slices : 1};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
-  kernel<<<grid, block, shared, stream>>>(p, cfg.threads_per_row, slices);
+  if (clustered) {
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = slices, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid, config.blockDim = dim3(block), config.dynamicSmemBytes = shared, config.stream = stream;
+    config.attrs = &attribute, config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, cfg.threads_per_row, slices));
+  } else {
+    kernel<<<grid, block, shared, stream>>>(p, cfg.threads_per_row, slices);
+  }
   check_launch();
   if (sums && row_blocks > 1) {
     ColumnSums grads{};

@@ -39,7 +39,8 @@ def _assert_grad_close(got, expected, dtype, what):
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-RMS_SHAPES = [(3, 5, 64), (3000, 64), (4, 4100), (2, 12288)]
+# (96, 40000): 5 column slices of 16-bit rows, 10 of fp32 rows, many rows per block.
+RMS_SHAPES = [(3, 5, 64), (3000, 64), (4, 4100), (2, 12288), (96, 40000)]
 
 
 @pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)

@@ -23,6 +23,7 @@ def _cases(k):
     lq, lcos = r(2, 64, 512), r(2, 64, 512, dtype=torch.float32)
     # 2048 columns: rows on 64 threads, four to a block (68 KB of shared memory on the H200)
     wide, wide_mod = r(2, 301, 2048), r(2, 1, 2048)
+    sliced = r(64, 20000)  # rows of three column slices: one cluster's blocks on sm_90
     return {
         "rms_norm": ([x, w], lambda x, w: k.rms_norm(x, w, 1e-6)),
         "fused_add_rms_norm": ([x, tok, w], lambda x, r, w: k.fused_add_rms_norm(x, r, w, 1e-6)),
@@ -41,6 +42,8 @@ def _cases(k):
         "geglu": ([x], lambda x: k.geglu(x, "none")),
         "rms_norm_backward": ([x, x, w], lambda g, x, w: k.ops.rms_norm_backward(g, x, w, 1e-6, 0.0, False, None)),
         "adaln_backward": ([x, x, mod, mod], lambda g, x, s, t: k.ops.adaln_backward(g, x, s, t, 1e-6, "layer", None)),
+        "rms_norm_backward_row_slices": ([sliced, sliced, r(20000)], lambda g, x, w:
+                                         k.ops.rms_norm_backward(g, x, w, 1e-6, 0.0, False, None)),
         "adaln_backward_rows_sharing_a_block": ([wide, wide, wide_mod, wide_mod], lambda g, x, s, t:
                                                 k.ops.adaln_backward(g, x, s, t, 1e-6, "rms", None)),
         "adaln_with_stats_and_backward": ([x, x, mod, mod], lambda g, x, s, t: _with_stats_backward(k, g, x, s, t)),
