@@ -90,7 +90,8 @@ def main():
     copy_gbs = harness.copy_bandwidth_gbs()
     cases = [
         rms_case(ops, 32768, 4096), rms_case(ops, 32768, 4096, extra=True), rms_case(ops, 8192, 4096),
-        rms_case(ops, 32768, 8192), rms_case(ops, 8192, 16384), rms_case(ops, 8192, 65536), rms_case(ops, 8192, 1536),
+        rms_case(ops, 32768, 8192), rms_case(ops, 8192, 16384), rms_case(ops, 4096, 32768),
+        rms_case(ops, 2048, 65536), rms_case(ops, 8192, 65536), rms_case(ops, 8192, 1536),
         rms_case(ops, 648720, 128), rms_case(ops, 5376, 2048, weight=False),
         rms_case(ops, 32768, 4096, weight_dtype=torch.float32), rms_case(ops, 32768, 4096, dtype=torch.float16),
         rms_case(ops, 32768, 4096, dtype=torch.float32),

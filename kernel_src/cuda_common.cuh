@@ -238,6 +238,19 @@ inline int max_blocks_per_sm(const void* kernel, int device, int block, std::siz
   return blocks;
 }
 
+// A launch in clusters of `cluster` blocks along x (sm_90 and later), for
+// cudaLaunchKernelEx; `attribute` holds the cluster shape and must outlive the config.
+inline cudaLaunchConfig_t cluster_launch(dim3 grid, int block, std::size_t shared, cudaStream_t stream, int cluster,
+                                         cudaLaunchAttribute& attribute) {
+  attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = dim3(block), config.dynamicSmemBytes = shared, config.stream = stream;
+  config.attrs = &attribute, config.numAttrs = 1;
+  return config;
+}
+
 // Clusters of `cluster` blocks (along x) of `kernel` resident at once on `device`, which
 // must be current (sm_90 and later); call max_blocks_per_sm first for the shared memory.
 inline int max_active_clusters(const void* kernel, int device, int cluster, int block, std::size_t shared) {
@@ -247,12 +260,8 @@ inline int max_active_clusters(const void* kernel, int device, int cluster, int 
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(cluster), config.blockDim = dim3(block), config.dynamicSmemBytes = shared;
-  config.attrs = &attribute, config.numAttrs = 1;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = cluster_launch(dim3(cluster), block, shared, nullptr, cluster, attribute);
   int clusters = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
   cache.emplace(key, clusters);

@@ -223,8 +223,9 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 // registers and adding its slice of the column grads into fp32 shared memory (each thread
 // its own slots: no atomics, no races); it then writes one partial row per column grad,
 // which column_sum_kernel adds up in a fixed order. Rows wider than one slice are split over
-// blockIdx.x: each block still reads the whole row for the row statistics (the other
-// slices' reads mostly hit L2).
+// blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange their
+// row sums through distributed shared memory; elsewhere (or past 8 slices) each block
+// reads the whole row for the row sums (the other slices' reads partly hit L2).
 //
 // Bytes in flight come from loads per thread: four 16-byte vectors of x and of dy per
 // thread (32 elements in 16 bits: 128-thread rows at D = 4096, four blocks per SM; 16 in
@@ -732,12 +733,8 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  clustered ? slices : 1};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
   if (clustered) {
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = slices, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid, config.blockDim = dim3(block), config.dynamicSmemBytes = shared, config.stream = stream;
-    config.attrs = &attribute, config.numAttrs = 1;
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = cluster_launch(grid, block, shared, stream, slices, attribute);
     C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, cfg.threads_per_row, slices));
   } else {
     kernel<<<grid, block, shared, stream>>>(p, cfg.threads_per_row, slices);
