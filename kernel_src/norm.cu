@@ -298,10 +298,11 @@ __device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, flo
   for (int j = 0; j < N; ++j) v[j] = group_sum(lane < row_warps ? scratch[j][first_warp + lane] : 0.f, 32);
 }
 
-// Adds the block sums v over the `blocks` blocks of the cluster: each puts its own in
-// `mine` (shared memory), then every warp adds all of them in rank order, so that every
-// block gets the same bits. Alternate two `mine` buffers: a block writes one again only
-// after the next barrier, which every block reaches after its reads.
+// Adds the block sums v (a block holds one row) over the `blocks` blocks of the cluster:
+// each puts its own in `mine` (shared memory), then in every warp lane r reads block r's
+// and the same shuffle tree adds them, so that every block gets the same bits. Alternate
+// two `mine` buffers: a block writes one again only after the next barrier, which every
+// block reaches after its reads.
 template <int N>
 __device__ __forceinline__ void add_cluster_sums(float (&v)[N], float* mine, int blocks) {
   if (threadIdx.x == 0) {
@@ -691,15 +692,21 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                         " rows with ", a.tokens, " tokens per batch entry");
   const std::size_t shared = block * thread_shared;
 
-  // Rows wider than one block: on sm_90 its slices form a cluster (up to the portable 8)
-  // and exchange their row sums, so that each block reads only its own slice (else each
-  // reads the whole row for the sums, and the wider the row the more it re-reads).
-  const bool clustered =
-      slices > 1 && slices <= 8 && device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
   int64_t resident_rows = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(block) / slices;
-  if (clustered) resident_rows = max_active_clusters(reinterpret_cast<const void*>(kernel), device, slices, block, shared);
+  // Rows wider than one block: on sm_90 (whose code every build has: build.toml) its slices
+  // form a cluster (up to the portable 8) and exchange their row sums, so that each block
+  // reads only its own slice (else each reads the whole row for the sums, and the wider the
+  // row the more it re-reads). The gated residual takes no row sums: it gains nothing.
+  bool clustered = KIND != NormKind::kNone && slices > 1 && slices <= 8 &&
+                   device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
+  if (clustered) {
+    TORCH_INTERNAL_ASSERT(rows_per_block == 1, "norm backward: a cluster's blocks hold one row each");
+    const int clusters = max_active_clusters(reinterpret_cast<const void*>(kernel), device, slices, block, shared);
+    clustered = clusters > 0;  // else the slices' blocks re-read the row
+    if (clustered) resident_rows = clusters;
+  }
   const int64_t wanted = std::max<int64_t>(1, resident_rows / groups);
   const int row_blocks = static_cast<int>(std::min<int64_t>(
       {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));

@@ -39,8 +39,10 @@ def _assert_grad_close(got, expected, dtype, what):
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-# (96, 40000): 5 column slices of 16-bit rows, 10 of fp32 rows, many rows per block.
-RMS_SHAPES = [(3, 5, 64), (3000, 64), (4, 4100), (2, 12288), (96, 40000)]
+# Rows split into column slices (on sm_90 a cluster's blocks, up to 8): 12288 is 2 slices of
+# 16-bit rows, 40000 is 5 (10 in fp32, whose blocks re-read the row), with several rows per
+# cluster; 65536 is 8 (16 in fp32).
+RMS_SHAPES = [(3, 5, 64), (3000, 64), (4, 4100), (2, 12288), (160, 40000), (40, 65536)]
 
 
 @pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
@@ -185,6 +187,22 @@ def test_adaln_backward_with_and_without_saved_stats(kernel, device, op, norm, c
         got = kernel.ops.adaln_backward(grad_out, normed, scale, shift, 1e-6, norm, None, saved)
         for name, g, e in zip(("input", "scale", "shift"), got, expected):
             _assert_grad_close(g, e, dtype, f"grad of {name}, {'saved' if saved is not None else 'no'} stats")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_adaln_backward_saved_stats_mean_far_from_zero(kernel, device, dtype):
+    """Given saved statistics, the CUDA backward takes LayerNorm's sum(dn * (x - mean)) as
+    sum(dn * x) - mean * sum(dn), whose rounding grows with |mean| / std: 100 here."""
+    shape, per_batch = (2, 301, 2048), (2, 1, 2048)
+    x = torch.randn(shape, device=device, dtype=dtype) + 100
+    scale, shift = (torch.randn(per_batch, device=device, dtype=dtype) for _ in range(2))
+    stats = kernel.ops.adaln_with_stats(x, scale, shift, 1e-6, "layer")[1]
+    grad_out = torch.randn_like(x)
+    inputs64 = [t.double().requires_grad_() for t in (x, scale, shift)]
+    expected = torch.autograd.grad(adaln_ref(*inputs64, 1e-6, "layer"), inputs64, grad_out.double())
+    got = kernel.ops.adaln_backward(grad_out, x, scale, shift, 1e-6, "layer", None, stats)
+    for name, g, e in zip(("input", "scale", "shift"), got, expected):
+        _assert_grad_close(g, e, dtype, f"grad of {name}")
 
 
 def test_adaln_backward_refuses_bad_stats(kernel, device):
