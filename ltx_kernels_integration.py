@@ -69,6 +69,7 @@ DIFFUSERS_LAYERS = {
     "diffusers.models.normalization:AdaLayerNormContinuous": "AdaLayerNormContinuous",
     "diffusers.models.transformers.transformer_ltx:LTXVideoTransformerBlock": "LTXVideoTransformerBlock",
     "diffusers.models.transformers.transformer_ltx:LTXAttention": "LTXAttention",
+    "diffusers.models.transformers.transformer_ltx:LTXVideoRotaryPosEmbed": "LTXVideoRotaryPosEmbed",
 }
 # The pipeline components kernelize_diffusers kernelizes.
 DIFFUSERS_COMPONENTS = ("transformer", "transformer_2", "unet")

@@ -252,7 +252,9 @@ constexpr int kQkMaxBlock = 512;  // fp32 tables need more than the 64 registers
 // T (what torch.nn.RMSNorm returns), then interleaved RoPE in fp32 and a second rounding.
 // Rows alternate q, k of one token, so the k row reads the tables the q row just brought
 // into L2: LTX's fp32 [B, S, C] tables are as large as q and k together, and reading
-// them twice from DRAM cost 1.5x the bytes.
+// them twice from DRAM cost 1.5x the bytes. Tables broadcast over the batch (stride 0)
+// order the rows token-major, (s, b, q/k), so all 2B rows of a token read its table row
+// while it is in L2.
 template <typename T, typename C, int VEC, bool ALIGNED>
 __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormRopeParams<T, C> p, int threads_per_row) {
   __shared__ float scratch[32];
@@ -261,13 +263,17 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
   const int t = threadIdx.x % threads_per_row;
   const bool active = row < 2 * p.rows;  // inactive threads still join the reduction
   const bool is_q = row % 2 == 0;
-  const int64_t r = active ? row / 2 : 0;
+  const int64_t pair = active ? row / 2 : 0;
+  const int64_t batch = p.rows / p.seq;
+  const bool token_major = p.table_b == 0;
+  const int64_t b = token_major ? pair % batch : pair / p.seq;
+  const int64_t s = token_major ? pair / batch : pair - b * p.seq;
+  const int64_t r = b * p.seq + s;
   const T* x = is_q ? p.q + r * p.q_stride : p.k + r * p.k_stride;
   T* y = is_q ? p.q_out + r * p.q_out_stride : p.k_out + r * p.k_out_stride;
   const T* w = is_q ? p.q_weight : p.k_weight;
-  const int64_t b = r / p.seq;
-  const C* cos = p.cos + b * p.table_b + (r - b * p.seq) * p.table_s;
-  const C* sin = p.sin + b * p.table_b + (r - b * p.seq) * p.table_s;
+  const C* cos = p.cos + b * p.table_b + s * p.table_s;
+  const C* sin = p.sin + b * p.table_b + s * p.table_s;
   const int nvec = p.channels / VEC;
 
   Vec<T, VEC> cached[kQkCachedVecs];

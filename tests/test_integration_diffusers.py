@@ -86,7 +86,8 @@ def test_ltx_video_transformer(device, dtype, per_token_timesteps):
     # 2 blocks: the block, attn1 (fused prologue) and attn2 (cross-attention: its q/k norms
     # as rms_norm, the text mask as the host prepares it), norm1 and norm2, the
     # feed-forward's GELU (on CUDA a GEMM epilogue without grad, our gelu on CPU)
-    assert counts == {"LTXVideoTransformerBlock": 2, "LTXAttention": 4, "DiffusersRMSNorm": 4, "DiffusersGELU": 2}
+    assert counts == {"LTXVideoTransformerBlock": 2, "LTXAttention": 4, "DiffusersRMSNorm": 4, "DiffusersGELU": 2,
+                      "LTXVideoRotaryPosEmbed": 1}
     assert {"adaln", "gated_residual", "gated_residual_adaln", "qk_norm_rope", "rms_norm"} <= ops
     assert ("gelu" in ops) == (device == "cpu" or dtype == torch.float32)
 
@@ -143,6 +144,35 @@ def test_ltx_fused_projections_only_without_grad():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_ltx_rotary_tables_computed_once_for_the_batch(device):
+    """The kernelized LTXVideoRotaryPosEmbed returns the stock tables bit for bit; without
+    video_coords (and with scalar interpolation scales) as one entry's tables expanded over
+    the batch, else the host's per-entry tables."""
+    needs_device(device)
+    model = small_ltx(device, torch.float32)
+    stock = copy.deepcopy(model)
+    assert lki.kernelize_diffusers(model)["LTXVideoRotaryPosEmbed"] == 1
+    batch, frames, height, width = 3, 2, 3, 4
+    x = torch.randn(batch, frames * height * width, 8, device=device)
+    grid = dict(num_frames=frames, height=height, width=width)
+    coords = torch.rand(batch, 3, frames * height * width, device=device) * 10
+    cases = {
+        "no scale": (dict(grid), True),
+        "scalar scales": (dict(grid, rope_interpolation_scale=(torch.tensor(0.32, device=device), 32 / 25, 32.0)),
+                          True),
+        "per-entry scale": (dict(grid, rope_interpolation_scale=(
+            torch.tensor([0.2, 0.3, 0.4], device=device).view(batch, 1, 1, 1, 1), 1.0, 1.0)), False),
+        "video_coords": (dict(video_coords=coords), False),
+    }
+    for case, (kwargs, expanded) in cases.items():
+        with torch.no_grad():
+            expected, actual = stock.rope(x, **kwargs), model.rope(x, **kwargs)
+        for e, a in zip(expected, actual):
+            assert a.shape == e.shape and torch.equal(a, e), case
+            assert (a.stride(0) == 0) == expanded, case
+
+
 def test_ltx_unsupported_configurations_are_left_alone():
     """Affine block norms (the block is not fused; its RMSNorms are) and a custom attention
     processor (that attention keeps its stock forward)."""
@@ -154,7 +184,7 @@ def test_ltx_unsupported_configurations_are_left_alone():
     custom = model.transformer_blocks[0].attn1
     custom.set_processor(CustomProcessor())
     counts, ops = compare(model, ltx_inputs("cpu", torch.float32), torch.float32)
-    assert counts == {"LTXAttention": 3, "DiffusersRMSNorm": 4, "DiffusersGELU": 2}
+    assert counts == {"LTXAttention": 3, "DiffusersRMSNorm": 4, "DiffusersGELU": 2, "LTXVideoRotaryPosEmbed": 1}
     assert "forward" not in vars(custom) and "forward" not in vars(model.transformer_blocks[0])
     assert {"rms_norm", "qk_norm_rope"} <= ops and "adaln" not in ops
 

@@ -171,14 +171,20 @@ def test_bad_input_raises_a_clear_error(kernel, device, case):
         call()
 
 
+@pytest.mark.parametrize("table_layout", ["per-entry", "expanded"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 3, 64), (2, 5, 1000)], ids=["ltx", "small", "c1000"])
-def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dtype):
+@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 3, 64), (3, 5, 1000)], ids=["ltx", "small", "c1000"])
+def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dtype, table_layout):
     """norm_q / norm_k (torch.nn.RMSNorm over C, eps 1e-5, output rounded), then the
-    interleaved RoPE with fp32 [B, S, C] tables."""
+    interleaved RoPE with fp32 [B, S, C] tables: one per batch entry, or one expanded over
+    the batch (stride 0, as the LTXVideoRotaryPosEmbed layer returns them; the CUDA kernel
+    then orders its rows token-major)."""
     q, k = make((batch, seq, c), dtype, device), make((batch, seq, c), dtype, device)
     wq, wk = make((c,), dtype, device), make((c,), dtype, device)
-    cos, sin = tables(batch, seq, c, torch.float32, device, interleaved=True)
+    if table_layout == "per-entry":
+        cos, sin = tables(batch, seq, c, torch.float32, device, interleaved=True)
+    else:
+        cos, sin = (t.expand(batch, -1, -1) for t in tables(1, seq, c, torch.float32, device, interleaved=True))
     q_out, k_out = kernel.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5)
     for x, w, out in ((q, wq, q_out), (k, wk, k_out)):
         normed = torch.nn.functional.rms_norm(x.double(), (c,), w.double(), 1e-5).to(dtype)
