@@ -253,6 +253,8 @@ inline cudaLaunchConfig_t cluster_launch(dim3 grid, int block, std::size_t share
 
 // Clusters of `cluster` blocks (along x) of `kernel` resident at once on `device`, which
 // must be current (sm_90 and later); call max_blocks_per_sm first for the shared memory.
+// 0 when the kernel's code came from PTX older than sm_90 (a build without capability 9.0,
+// JIT-compiled for a newer GPU): it was compiled without LTX_CLUSTERS.
 inline int max_active_clusters(const void* kernel, int device, int cluster, int block, std::size_t shared) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, int, int, std::size_t>, int> cache;
@@ -260,10 +262,14 @@ inline int max_active_clusters(const void* kernel, int device, int cluster, int 
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
-  cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config = cluster_launch(dim3(cluster), block, shared, nullptr, cluster, attribute);
+  cudaFuncAttributes compiled{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&compiled, kernel));
   int clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  if (compiled.ptxVersion >= 90) {
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = cluster_launch(dim3(cluster), block, shared, nullptr, cluster, attribute);
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  }
   cache.emplace(key, clusters);
   return clusters;
 }

@@ -695,10 +695,11 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
   int64_t resident_rows = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(block) / slices;
-  // Rows wider than one block: on sm_90 (build.toml builds sm_90 code for it, which has the
-  // cluster helpers) its slices form a cluster (up to the portable 8) and exchange their row
-  // sums, so that each block reads only its own slice (else each reads the whole row for the
-  // sums, and the wider the row the more it re-reads). The gated residual takes no row sums.
+  // Rows wider than one block: on sm_90 and later, with the kernel's code built for sm_90 or
+  // later (the cluster helpers; max_active_clusters says 0 otherwise), its slices form a
+  // cluster (up to the portable 8) and exchange their row sums, so that each block reads
+  // only its own slice (else each reads the whole row for the sums, and the wider the row
+  // the more it re-reads). The gated residual takes no row sums.
   bool clustered = KIND != NormKind::kNone && slices > 1 && slices <= 8 &&
                    device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
   if (clustered) {
