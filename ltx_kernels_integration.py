@@ -386,6 +386,16 @@ def _ltx_attention_fusable(attention) -> bool:
             and attention.norm_k.weight is not None)
 
 
+def _ltx_rope_fusable(rope) -> bool:
+    """diffusers' own grid and forward: a subclass that changes either (per-entry offsets,
+    say) could give batch entries different tables, which the layer assumes equal."""
+    from diffusers.models.transformers.transformer_ltx import LTXVideoRotaryPosEmbed
+
+    host = type(rope)
+    return (host.forward is LTXVideoRotaryPosEmbed.forward
+            and host._prepare_video_coords is LTXVideoRotaryPosEmbed._prepare_video_coords)
+
+
 _DIFFUSERS_CONDITIONS = {
     "RMSNorm": lambda norm: norm.bias is None,
     "AdaLayerNormZero": lambda ada: _norm_without_affine(ada.norm),
@@ -393,4 +403,5 @@ _DIFFUSERS_CONDITIONS = {
     "AdaLayerNormContinuous": lambda ada: _norm_without_affine(ada.norm),
     "LTXVideoTransformerBlock": _ltx_block_fusable,
     "LTXAttention": _ltx_attention_fusable,
+    "LTXVideoRotaryPosEmbed": _ltx_rope_fusable,
 }

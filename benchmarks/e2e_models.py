@@ -26,6 +26,7 @@ PNG bar chart (matplotlib, if importable).
 """
 
 import argparse
+import hashlib
 import json
 import platform
 import statistics
@@ -314,13 +315,26 @@ def environment(device) -> dict:
     import transformers
 
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
+        rev = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
     except (subprocess.CalledProcessError, FileNotFoundError):
         rev = None
     return dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__,
-                transformers=transformers.__version__, kernels=kernels.__version__, git_rev=rev)
+                transformers=transformers.__version__, kernels=kernels.__version__, git_rev=rev,
+                source_sha=source_sha())
+
+
+def source_sha() -> str:
+    """The first 12 hex digits of a sha256 over the kernel sources, the Python package and
+    the integration module (paths and contents): it names the code a result ran where
+    git_rev cannot, in a copied tree whose git metadata lags."""
+    files = [p for d in ("kernel_src", "torch-ext") for p in (REPO / d).rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts]
+    digest = hashlib.sha256()
+    for path in sorted(files) + [REPO / "ltx_kernels_integration.py"]:
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def main(argv=None):

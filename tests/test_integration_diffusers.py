@@ -7,6 +7,7 @@ import copy
 import sys
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 
@@ -161,8 +162,12 @@ def test_ltx_rotary_tables_computed_once_for_the_batch(device):
         "no scale": (dict(grid), True),
         "scalar scales": (dict(grid, rope_interpolation_scale=(torch.tensor(0.32, device=device), 32 / 25, 32.0)),
                           True),
+        "one-element tensor scales": (dict(grid, rope_interpolation_scale=torch.tensor([0.32, 1.28, 32.0],
+                                                                                        device=device)), True),
         "per-entry scale": (dict(grid, rope_interpolation_scale=(
             torch.tensor([0.2, 0.3, 0.4], device=device).view(batch, 1, 1, 1, 1), 1.0, 1.0)), False),
+        "per-entry scale, not a tensor": (dict(grid, rope_interpolation_scale=(
+            numpy.array([0.2, 0.3, 0.4], dtype=numpy.float32).reshape(batch, 1, 1, 1, 1), 1.0, 1.0)), False),
         "video_coords": (dict(video_coords=coords), False),
     }
     for case, (kwargs, expanded) in cases.items():
@@ -171,6 +176,25 @@ def test_ltx_rotary_tables_computed_once_for_the_batch(device):
         for e, a in zip(expected, actual):
             assert a.shape == e.shape and torch.equal(a, e), case
             assert (a.stride(0) == 0) == expanded, case
+
+
+def test_ltx_rotary_subclass_with_its_own_grid_is_left_alone():
+    """A subclass whose grid may differ per batch entry keeps its own forward."""
+    from diffusers.models.transformers.transformer_ltx import LTXVideoRotaryPosEmbed
+
+    class ShiftedRope(LTXVideoRotaryPosEmbed):
+        def _prepare_video_coords(self, batch_size, *args, **kwargs):
+            grid = super()._prepare_video_coords(batch_size, *args, **kwargs)
+            return grid + torch.arange(batch_size, dtype=grid.dtype, device=grid.device).view(-1, 1, 1)
+
+    model = small_ltx("cpu", torch.float32)
+    stock_rope = model.rope
+    model.rope = ShiftedRope(stock_rope.dim, stock_rope.base_num_frames, stock_rope.base_height,
+                             stock_rope.base_width, stock_rope.patch_size, stock_rope.patch_size_t, stock_rope.theta)
+    counts = lki.kernelize_diffusers(model)
+    assert "LTXVideoRotaryPosEmbed" not in counts and "forward" not in vars(model.rope)
+    cos, _ = model.rope(torch.randn(2, 24, 8), num_frames=2, height=3, width=4)
+    assert not torch.equal(cos[0], cos[1])
 
 
 def test_ltx_unsupported_configurations_are_left_alone():

@@ -479,8 +479,9 @@ class LTXVideoRotaryPosEmbed(nn.Module):
     ``(cos, sin)`` are expanded over the batch (stride 0, the same values bit for bit: the
     host's ops are elementwise). `qk_norm_rope` then reads each table row once for all
     batch entries instead of once per entry: at LTX's batch 2 (classifier-free guidance) a
-    third of its bytes. ``video_coords`` (per-entry grids) and interpolation scales that are
-    tensors of more than one element go to the host's forward."""
+    quarter of its bytes. ``video_coords`` (per-entry grids) and interpolation scales other
+    than numbers and one-element tensors (which could differ per entry) go to the host's
+    forward."""
 
     has_backward = True
     can_torch_compile = True
@@ -488,12 +489,18 @@ class LTXVideoRotaryPosEmbed(nn.Module):
     def forward(self, hidden_states, num_frames=None, height=None, width=None, rope_interpolation_scale=None,
                 video_coords=None):
         batch_size = hidden_states.size(0)
-        if video_coords is not None or batch_size <= 1 or (rope_interpolation_scale is not None and any(
-                isinstance(scale, torch.Tensor) and scale.numel() != 1 for scale in rope_interpolation_scale)):
+        if video_coords is not None or batch_size <= 1 or not _one_scale_for_all_entries(rope_interpolation_scale):
             return type(self).forward(self, hidden_states, num_frames, height, width, rope_interpolation_scale,
                                       video_coords)
         cos, sin = type(self).forward(self, hidden_states[:1], num_frames, height, width, rope_interpolation_scale)
         return cos.expand(batch_size, -1, -1), sin.expand(batch_size, -1, -1)
+
+
+def _one_scale_for_all_entries(scales) -> bool:
+    """LTX's rope_interpolation_scale is None or three numbers or one-element tensors."""
+    return scales is None or all(
+        isinstance(scale, (int, float)) or (isinstance(scale, torch.Tensor) and scale.numel() == 1)
+        for scale in scales)
 
 
 def _stock_ltx_processor_module(attn: nn.Module):
