@@ -40,6 +40,9 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
         else:
             assert r["replaced"] == {} and r["max_abs_diff"] == 0.0, r
     assert report["compile"] == {"fullgraph": True, "backend": "eager"}
+    # the code a result ran, also from a copied tree whose git metadata lags
+    source_sha = report["environment"]["source_sha"]
+    assert len(source_sha) == 12 and set(source_sha) <= set("0123456789abcdef") and source_sha == bench.source_sha()
     ltx, qwen3_decode = results[0]["workload"], results[-1]["workload"]
     profiles = report["profiles"]
     assert set(profiles) == {f"{w} / {c}" for w in (ltx, qwen3_decode) for c in bench.CONFIGS}
