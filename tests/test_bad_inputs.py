@@ -232,7 +232,7 @@ class _HostRefused(RuntimeError, ValueError):
 
 class _Host(SimpleNamespace):
     """Stands for the host module. The layers hand what they do not support to the host's
-    own forward (type(self).forward); this one refuses, naming the input, so such a case
+    own forward (`layers._host(self).forward`); this one refuses, naming the input, so such a case
     shows up as a refusal rather than as the host's (untested here) result."""
 
     def forward(self, x):

@@ -4,8 +4,9 @@ signature, reading the host module's attributes.
 Each layer computes what its host computes (same roundings where the host rounds, or one
 fp32 rounding where the host rounds intermediates in the model dtype, as each docstring
 says). Whatever a layer does not support (a dtype, an affine norm, a custom attention
-processor, ...) goes to the host's own forward, ``type(self).forward``: kernelize binds the
-layer's forward to the instance and leaves the class's forward as it was.
+processor, ...) goes to the host's own forward, ``_host(self).forward``: kernelize binds the
+layer's forward to the instance and leaves the class's forward as it was (and
+``ltx_kernels_integration.kernelize_diffusers`` then moves it into a subclass, see `_host`).
 
 The transformers layers match the hooks transformers declares (``"RMSNorm"``,
 ``"RMSNormZeroCentered"``, ``"GeluTanh"``, ``"rotary_pos_emb"``), and under torch.compile
@@ -53,6 +54,15 @@ def _rows(x: torch.Tensor) -> bool:
     return all(stride == inner_size * inner_stride for (_, stride), (inner_size, inner_stride) in zip(outer, outer[1:]))
 
 
+def _host(module) -> type:
+    """The host module's class. ``ltx_kernels_integration.kernelize_diffusers`` moves each
+    layer's forward from the instance, where kernelize binds it, into a subclass of the
+    host's class that names the host in ``_ltx_host``: dynamo guards a per-instance forward
+    with the module's hook dicts (four guards per module, about 0.5 ms of guard checks per
+    call of a kernelized LTX 2B on the H200)."""
+    return getattr(type(module), "_ltx_host", type(module))
+
+
 def _under_torch_compile() -> bool:
     """True while torch.compile traces (any backend): the transformers layers then run the
     host's code. Inductor fuses a norm, a rotation or a GELU with the residual add, casts and reshapes
@@ -80,7 +90,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not _rows(hidden_states) or _under_torch_compile():
-            return type(self).forward(self, hidden_states)
+            return _host(self).forward(self, hidden_states)
         weight = self.weight
         if hidden_states.dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16):
             weight = weight.float()  # fp32 activations, low-precision weight: the host computes in fp32
@@ -103,7 +113,7 @@ class RMSNormZeroCentered(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _rows(x) or _under_torch_compile():
-            return type(self).forward(self, x)
+            return _host(self).forward(self, x)
         weight = self.weight
         if weight.dtype not in (x.dtype, torch.float32):
             weight = weight.float()  # the host upcasts the weight anyway: exact
@@ -118,7 +128,7 @@ class GeluTanh(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _rows(input) or _under_torch_compile():
-            return type(self).forward(self, input)
+            return _host(self).forward(self, input)
         return gelu(input, "tanh")
 
 
@@ -140,7 +150,7 @@ class ApplyRotaryPosEmb(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         if not _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) or _under_torch_compile():
-            return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
+            return _host(self).forward(self, q, k, cos, sin, unsqueeze_dim)
         # unsqueeze_dim is where the heads are: [B, H, S, D] (1) or [B, S, H, D] (2).
         return rope_rotate_half(q, k, cos, sin, sequence_dim=3 - unsqueeze_dim)
 
@@ -179,14 +189,14 @@ class DiffusersRMSNorm(nn.Module):
     def forward(self, hidden_states):
         weight = self.weight
         if self.bias is not None or not _rows(hidden_states):
-            return type(self).forward(self, hidden_states)
+            return _host(self).forward(self, hidden_states)
         if weight is None:
             return rms_norm(hidden_states, None, self.eps)
         if weight.dtype == torch.float32:
             return rms_norm(hidden_states, weight, self.eps, out_dtype=torch.float32)
         if weight.dtype == hidden_states.dtype:
             return rms_norm(hidden_states, weight, self.eps, cast_before_weight=True)
-        return type(self).forward(self, hidden_states)
+        return _host(self).forward(self, hidden_states)
 
 
 class GEGLU(nn.Module):
@@ -201,7 +211,7 @@ class GEGLU(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         if args or kwargs.get("scale") is not None:
-            return type(self).forward(self, hidden_states, *args, **kwargs)  # the host warns about `scale`
+            return _host(self).forward(self, hidden_states, *args, **kwargs)  # the host warns about `scale`
         hidden_states = self.proj(hidden_states)
         if not _rows(hidden_states):
             hidden_states, gate = hidden_states.chunk(2, dim=-1)  # the host's expression
@@ -240,7 +250,7 @@ class DiffusersGELU(nn.Module):
             out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
             return out.view(*hidden_states.shape[:-1], out.size(-1))
         if self.approximate not in ("none", "tanh") or _under_torch_compile():
-            return type(self).forward(self, hidden_states)
+            return _host(self).forward(self, hidden_states)
         hidden_states = proj(hidden_states)
         if not _rows(hidden_states):
             return self.gelu(hidden_states)  # the host's expression
@@ -363,7 +373,7 @@ class LTXVideoTransformerBlock(nn.Module):
         if (norm1 is None or norm1[0] != "rms" or norm2 is None or norm2[0] != "rms"
                 or self.scale_shift_table.shape[0] != 6 or hidden_states.dim() != 3 or not _rows(hidden_states)
                 or torch.promote_types(self.scale_shift_table.dtype, temb.dtype) != hidden_states.dtype):
-            return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+            return _host(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                       encoder_attention_mask)
         batch_size = hidden_states.size(0)
         ada_values = self.scale_shift_table[None, None].to(temb.device) + temb.reshape(
@@ -432,7 +442,7 @@ class LTXAttention(nn.Module):
                 **kwargs):
         stock = _stock_ltx_processor_module(self)
         if stock is None or kwargs or hidden_states.dim() != 3:
-            return type(self).forward(self, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+            return _host(self).forward(self, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
                                       **kwargs)
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         batch_size, sequence_length, _ = context.shape
@@ -490,9 +500,9 @@ class LTXVideoRotaryPosEmbed(nn.Module):
                 video_coords=None):
         batch_size = hidden_states.size(0)
         if video_coords is not None or batch_size <= 1 or not _one_scale_for_all_entries(rope_interpolation_scale):
-            return type(self).forward(self, hidden_states, num_frames, height, width, rope_interpolation_scale,
+            return _host(self).forward(self, hidden_states, num_frames, height, width, rope_interpolation_scale,
                                       video_coords)
-        cos, sin = type(self).forward(self, hidden_states[:1], num_frames, height, width, rope_interpolation_scale)
+        cos, sin = _host(self).forward(self, hidden_states[:1], num_frames, height, width, rope_interpolation_scale)
         return cos.expand(batch_size, -1, -1), sin.expand(batch_size, -1, -1)
 
 
