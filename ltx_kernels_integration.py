@@ -179,7 +179,7 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
     counts: Dict[str, int] = {}
     with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_unmapped_hooks():
         for name, model in models.items():
-            unkernelize(model)  # kernelize reads each module's class (its condition, its forward)
+            _classes_back(model)  # kernelize reads each module's class (its condition, its forward)
             kernelize(model, mode=mode, device=devices[name])
             _forwards_into_classes(model)
             for layer, count in replaced_modules(model, DIFFUSERS_LAYERS.values()).items():
@@ -212,7 +212,11 @@ def unkernelize(model: torch.nn.Module) -> None:
     back to its stock forward."""
     for module in _hooked(model):
         vars(module).pop("forward", None)
-        module.__class__ = _host_class(module)
+        cls = type(module)
+        if "_ltx_host" in vars(cls):
+            module.__class__ = cls._ltx_host
+        elif hasattr(cls, "_ltx_host"):  # a class another library derived from ours (parametrize, FSDP)
+            module.forward = MethodType(cls._ltx_host.forward, module)
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,8 +248,9 @@ def _hooked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def _host_class(module: torch.nn.Module) -> type:
     """The module's own class, under the layer subclass `_forwards_into_classes` may have
-    given it (the layers' `_host` reads the same attribute)."""
-    return vars(type(module)).get("_ltx_host", type(module))
+    given it (and any class another library derived from that one); the layers' `_host`
+    reads the same attribute."""
+    return getattr(type(module), "_ltx_host", type(module))
 
 
 def _running_forward(module: torch.nn.Module):
@@ -267,21 +272,43 @@ def _forwards_into_classes(model: torch.nn.Module) -> None:
     2B those guards took dynamo's cache lookup from 0.67 to 1.19 ms per call (H200 host),
     time the GPU waits at the start of every compiled forward. The subclass keeps the
     host's name and module, so `isinstance` checks and diffusers' class-name lists hold;
-    a whole-model pickle cannot name it (save the state dict, as diffusers does)."""
+    a whole-model pickle cannot name it (save the state dict, as diffusers does).
+
+    Left as kernelize binds them: forwards of layers that do not reach their host through
+    ``_host`` (a build older than this, which would call itself), forwards that are not a
+    layer's (a hook library's), and modules whose class is not the one its module names
+    (a class another library made for the instance, e.g. parametrize's or FSDP's, which
+    expects to stay the instance's class)."""
     for module in _hooked(model):
         bound = vars(module).get("forward")
         if not isinstance(bound, MethodType) or bound.__self__ is not module:
-            continue  # no forward of kernelize's, or one a hook library installed
-        host = _host_class(module)
-        del module.forward
-        if bound.__func__ is host.forward:
             continue
-        key = (host, bound.__func__)
+        host, func = type(module), bound.__func__
+        if func is host.forward:
+            del module.forward
+            continue
+        layers = sys.modules.get(func.__module__)
+        if not hasattr(layers, "_host") or not _importable(host):
+            continue
+        key = (host, func)
         if key not in _LAYER_CLASSES:
             _LAYER_CLASSES[key] = type(host.__name__, (host,), {
-                "forward": bound.__func__, "_ltx_host": host, "__module__": host.__module__,
+                "forward": func, "_ltx_host": host, "__module__": host.__module__,
                 "__qualname__": host.__qualname__, "__doc__": host.__doc__})
+        del module.forward
         module.__class__ = _LAYER_CLASSES[key]
+
+
+def _classes_back(model: torch.nn.Module) -> None:
+    """Each module `_forwards_into_classes` gave a layer subclass back to its host class."""
+    for module in _hooked(model):
+        if "_ltx_host" in vars(type(module)):
+            module.__class__ = type(module)._ltx_host
+
+
+def _importable(cls: type) -> bool:
+    """``cls`` is what its module names it: not a class made at run time."""
+    return getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
 @contextlib.contextmanager
@@ -440,7 +467,7 @@ def _ltx_rope_fusable(rope) -> bool:
     say) could give batch entries different tables, which the layer assumes equal."""
     from diffusers.models.transformers.transformer_ltx import LTXVideoRotaryPosEmbed
 
-    host = type(rope)
+    host = _host_class(rope)
     return (host.forward is LTXVideoRotaryPosEmbed.forward
             and host._prepare_video_coords is LTXVideoRotaryPosEmbed._prepare_video_coords)
 

@@ -22,7 +22,7 @@ from diffusers.models.activations import GEGLU  # noqa: E402
 from diffusers.models.normalization import AdaLayerNormContinuous  # noqa: E402
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
 from diffusers.models.transformers.transformer_ltx import LTXAttention, LTXVideoAttnProcessor, \
-    LTXVideoTransformerBlock  # noqa: E402
+    LTXVideoRotaryPosEmbed, LTXVideoTransformerBlock  # noqa: E402
 
 DEVICES = sorted({d for _, d in TARGETS})
 DTYPES = [torch.float32, torch.bfloat16]
@@ -328,6 +328,75 @@ def test_layers_run_from_subclasses_without_hook_guards():
     lki.unkernelize(model)
     assert type(block) is LTXVideoTransformerBlock and lki.replaced_modules(model) == {}
     assert not [m for m in model.modules() if "forward" in vars(m)]
+
+
+class _Identity(torch.nn.Module):
+    def forward(self, value):
+        return value
+
+
+def test_layer_subclasses_stay_out_of_other_libraries_classes():
+    """A class another library derives for one instance (parametrize here; FSDP does the
+    same) keeps kernelize's per-instance forward when it comes first, and when it comes
+    after, counts and unkernelize still see through it."""
+    import torch.nn.utils.parametrize as parametrize
+
+    inputs = ltx_inputs("cpu", torch.float32)
+    model = small_ltx("cpu", torch.float32)
+    stock = copy.deepcopy(model)
+    parametrize.register_parametrization(model.transformer_blocks[0], "scale_shift_table", _Identity())
+    counts = lki.kernelize_diffusers(model)
+    assert counts["LTXVideoTransformerBlock"] == 2 and "forward" in vars(model.transformer_blocks[0])
+    parametrize.remove_parametrizations(model.transformer_blocks[0], "scale_shift_table", leave_parametrized=True)
+    with torch.no_grad():
+        assert_matches(model(**inputs, return_dict=False)[0], stock(**inputs, return_dict=False)[0], torch.float32, 1)
+
+    model = small_ltx("cpu", torch.float32)
+    assert lki.kernelize_diffusers(model) == counts
+    parametrize.register_parametrization(model.transformer_blocks[0], "scale_shift_table", _Identity())
+    assert lki.replaced_modules(model) == counts
+    lki.unkernelize(model)
+    assert lki.replaced_modules(model) == {}
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs, return_dict=False)[0], stock(**inputs, return_dict=False)[0],
+                                   rtol=0, atol=0)
+
+
+def test_layers_without_host_lookup_keep_instance_forwards(monkeypatch):
+    """Layers of an older build call ``type(self).forward`` for the host, which on a layer
+    subclass would be themselves: their forwards stay on the instances."""
+    model = small_ltx("cpu", torch.float32)
+    counts = lki.kernelize_diffusers(model)
+    layers = sys.modules[type(model.rope).forward.__module__]
+    monkeypatch.delattr(layers, "_host")
+    assert lki.kernelize_diffusers(model) == counts
+    assert type(model.rope) is LTXVideoRotaryPosEmbed and "forward" in vars(model.rope)
+    assert not [m for m in model.modules() if "_ltx_host" in vars(type(m))]
+
+
+def test_hooks_on_modules_left_alone_survive():
+    """kernelize_diffusers takes back only its own subclasses before kernelizing: a
+    diffusers hook on a module no layer replaces still runs."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class CountCalls(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            CountCalls.calls += 1
+            return args, kwargs
+
+    class CustomProcessor(LTXVideoAttnProcessor):
+        pass
+
+    model = small_ltx("cpu", torch.float32)
+    attention = model.transformer_blocks[0].attn1
+    attention.set_processor(CustomProcessor())
+    HookRegistry.check_if_exists_or_initialize(attention).register_hook(CountCalls(), "count")
+    lki.kernelize_diffusers(model)
+    with torch.no_grad():
+        model(**ltx_inputs("cpu", torch.float32), return_dict=False)
+    assert CountCalls.calls == 1
 
 
 def test_unsupported_diffusers_modules_are_left_alone():
