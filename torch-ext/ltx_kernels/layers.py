@@ -374,7 +374,7 @@ class LTXVideoTransformerBlock(nn.Module):
                 or self.scale_shift_table.shape[0] != 6 or hidden_states.dim() != 3 or not _rows(hidden_states)
                 or torch.promote_types(self.scale_shift_table.dtype, temb.dtype) != hidden_states.dtype):
             return _host(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                                      encoder_attention_mask)
+                                       encoder_attention_mask)
         batch_size = hidden_states.size(0)
         ada_values = self.scale_shift_table[None, None].to(temb.device) + temb.reshape(
             batch_size, temb.size(1), 6, -1)
@@ -443,7 +443,7 @@ class LTXAttention(nn.Module):
         stock = _stock_ltx_processor_module(self)
         if stock is None or kwargs or hidden_states.dim() != 3:
             return _host(self).forward(self, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
-                                      **kwargs)
+                                       **kwargs)
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         batch_size, sequence_length, _ = context.shape
         if attention_mask is not None:
@@ -501,7 +501,7 @@ class LTXVideoRotaryPosEmbed(nn.Module):
         batch_size = hidden_states.size(0)
         if video_coords is not None or batch_size <= 1 or not _one_scale_for_all_entries(rope_interpolation_scale):
             return _host(self).forward(self, hidden_states, num_frames, height, width, rope_interpolation_scale,
-                                      video_coords)
+                                       video_coords)
         cos, sin = _host(self).forward(self, hidden_states[:1], num_frames, height, width, rope_interpolation_scale)
         return cos.expand(batch_size, -1, -1), sin.expand(batch_size, -1, -1)
 
