@@ -325,12 +325,17 @@ def environment(device) -> dict:
                 source_sha=source_sha())
 
 
+# What kernel-builder generates into the sources at build time (git-ignored): it names the
+# build's git state, not the code.
+GENERATED = {"torch-ext/registration.h", "torch-ext/ltx_kernels/_ops.py"}
+
+
 def source_sha() -> str:
     """The first 12 hex digits of a sha256 over the kernel sources, the Python package and
     the integration module (paths and contents): it names the code a result ran where
     git_rev cannot, in a copied tree whose git metadata lags."""
     files = [p for d in ("kernel_src", "torch-ext") for p in (REPO / d).rglob("*")
-             if p.is_file() and "__pycache__" not in p.parts]
+             if p.is_file() and "__pycache__" not in p.parts and p.relative_to(REPO).as_posix() not in GENERATED]
     digest = hashlib.sha256()
     for path in sorted(files) + [REPO / "ltx_kernels_integration.py"]:
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
