@@ -5,6 +5,7 @@
 #include "norm.h"
 
 #include <algorithm>
+#include <tuple>
 #include <type_traits>
 
 namespace ltx {
@@ -613,35 +614,62 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   }
 }
 
-// sums[g, c] = sum over b of partial[g, b, c], b in order: 32 columns per block, the
-// partial rows split over threadIdx.y and combined in a fixed order. blockIdx.z picks the
-// column grad (weight or scale, then shift): both in one launch.
-constexpr int kSumCols = 32, kSumRows = 16;
+// sums[g, c] = sum over b of partial[g, b, c], b in order, rounded once to the sums' dtype
+// (fp32 or T). A block takes 32 columns, VEC per thread, and splits the partial rows over
+// threadIdx.y; the threads' sums then add in a fixed order. blockIdx.z picks the column
+// grad (weight or scale, then shift): both in one launch.
+constexpr int kSumCols = 32, kSumThreads = 512;
 
 struct ColumnSums {
   const float* partial[2];
-  float* sums[2];
+  void* sums[2];
+  bool fp32[2];
 };
 
-__global__ void __launch_bounds__(kSumCols * kSumRows)
-    column_sum_kernel(const ColumnSums grads, int partial_rows, int cols) {
-  __shared__ float tile[kSumRows][kSumCols];
-  const int col = blockIdx.x * kSumCols + threadIdx.x;
-  const float* group = grads.partial[blockIdx.z] + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
-  float* sums = grads.sums[blockIdx.z];
-  float acc = 0.f;
-  if (col < cols) {
-    // Unrolled so that eight loads are in flight per thread (the adds keep their order).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSums grads, int partial_rows, int cols) {
+  constexpr int kRowThreads = kSumThreads * VEC / kSumCols;  // blockDim.y
+  constexpr int kSegments = kSumThreads / kSumCols;
+  __shared__ float4 tile_storage[kRowThreads * kSumCols / 4];
+  float(*tile)[kSumCols] = reinterpret_cast<float(*)[kSumCols]>(tile_storage);
+  const int first_col = blockIdx.x * kSumCols + threadIdx.x * VEC;
+  // Selected, not indexed: a parameter array indexed at run time is copied to the stack.
+  const bool second = blockIdx.z != 0;
+  const float* group = (second ? grads.partial[1] : grads.partial[0]) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
+  float acc[VEC] = {};
+  if (first_col < cols) {
+    // 16-byte loads, eight in flight per thread (the adds keep their order): the partial
+    // rows are read once, so bytes in flight set the time.
 #pragma unroll 8
-    for (int b = threadIdx.y; b < partial_rows; b += kSumRows) acc += group[static_cast<int64_t>(b) * cols + col];
-  }
-  tile[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float total = 0.f;
+    for (int b = threadIdx.y; b < partial_rows; b += kRowThreads) {
+      const Vec<float, VEC> v = load_vec<float, VEC>(group + static_cast<int64_t>(b) * cols + first_col, 0);
 #pragma unroll
-    for (int y = 0; y < kSumRows; ++y) total += tile[y][threadIdx.x];
-    sums[static_cast<int64_t>(blockIdx.y) * cols + col] = total;
+      for (int j = 0; j < VEC; ++j) acc[j] += v.v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) tile[threadIdx.y][threadIdx.x * VEC + j] = acc[j];
+  __syncthreads();
+  // Every thread adds VEC of the kRowThreads sums of one column, then one thread per
+  // column adds those: a fixed order.
+  const int t = threadIdx.y * blockDim.x + threadIdx.x, col = t % kSumCols, segment = t / kSumCols;
+  float part = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) part += tile[segment * VEC + j][col];
+  __syncthreads();
+  tile[segment][col] = part;
+  __syncthreads();
+  const int out_col = blockIdx.x * kSumCols + t;
+  if (t >= kSumCols || out_col >= cols) return;
+  float total = 0.f;
+#pragma unroll
+  for (int s = 0; s < kSegments; ++s) total += tile[s][t];
+  const int64_t out = static_cast<int64_t>(blockIdx.y) * cols + out_col;
+  void* sums = second ? grads.sums[1] : grads.sums[0];
+  if (second ? grads.fp32[1] : grads.fp32[0]) {
+    static_cast<float*>(sums)[out] = total;
+  } else {
+    static_cast<T*>(sums)[out] = from_float<T>(total);
   }
 }
 
@@ -716,11 +744,13 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   at::Tensor partial;
   float* factor_partial = nullptr;
   float* shift_partial = nullptr;
+  // With one row block the partial rows are the sums themselves, if they are fp32.
+  const bool sums_direct = row_blocks == 1 && (a.factor_sums == nullptr || a.factor_sums_fp32) &&
+                           (a.shift_sums == nullptr || a.shift_sums_fp32);
   if (sums) {
     const int64_t per = groups * row_blocks * a.cols;
-    // With one row block the partial rows are the sums themselves.
-    if (row_blocks == 1) {
-      factor_partial = a.factor_sums, shift_partial = a.shift_sums;
+    if (sums_direct) {
+      factor_partial = static_cast<float*>(a.factor_sums), shift_partial = static_cast<float*>(a.shift_sums);
     } else {
       const int buffers = (a.factor_sums != nullptr) + (a.shift_sums != nullptr);
       partial = at::empty({buffers * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
@@ -748,16 +778,26 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     kernel<<<grid, block, shared, stream>>>(p, cfg.threads_per_row, slices);
   }
   check_launch();
-  if (sums && row_blocks > 1) {
+  if (sums && !sums_direct) {
     ColumnSums grads{};
     unsigned count = 0;
-    for (const auto& [from, to] : {std::pair<float*, float*>{factor_partial, a.factor_sums}, {shift_partial, a.shift_sums}}) {
+    for (const auto& [from, to, fp32] : {std::tuple{factor_partial, a.factor_sums, a.factor_sums_fp32},
+                                         std::tuple{shift_partial, a.shift_sums, a.shift_sums_fp32}}) {
       if (to == nullptr) continue;
-      grads.partial[count] = from, grads.sums[count] = to;
+      grads.partial[count] = from, grads.sums[count] = to, grads.fp32[count] = fp32;
       ++count;
     }
     const dim3 sum_grid(static_cast<unsigned>((a.cols + kSumCols - 1) / kSumCols), static_cast<unsigned>(groups), count);
-    column_sum_kernel<<<sum_grid, dim3(kSumCols, kSumRows), 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+    // The partial buffers are fresh allocations with rows of cols floats: 16-byte aligned
+    // when cols is a multiple of 4.
+    constexpr int kSumVec = 4;
+    if (a.cols % kSumVec == 0) {
+      const dim3 block(kSumCols / kSumVec, kSumThreads * kSumVec / kSumCols);
+      column_sum_kernel<T, kSumVec><<<sum_grid, block, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+    } else {
+      const dim3 block(kSumCols, kSumThreads / kSumCols);
+      column_sum_kernel<T, 1><<<sum_grid, block, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+    }
     check_launch();
   }
 }

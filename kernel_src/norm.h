@@ -83,9 +83,12 @@ struct NormBackwardArgs {
   const float* stats = nullptr;      // the forward's [rows, 2] (mean, rstd), or nullptr: recomputed
 
   void* factor_rows = nullptr;    // [rows, cols] contiguous dy * n, or nullptr
-  float* factor_sums = nullptr;   // [groups, cols] sums of dy * n, or nullptr
+  void* factor_sums = nullptr;    // [groups, cols] sums of dy * n, or nullptr
   void* shift_rows = nullptr;     // [rows, cols] contiguous dy, or nullptr
-  float* shift_sums = nullptr;    // [groups, cols] sums of dy, or nullptr
+  void* shift_sums = nullptr;     // [groups, cols] sums of dy, or nullptr
+  // The sums' dtype: fp32, or else `dtype` (summed in fp32 and rounded once at the end, so
+  // that a grad of the operand's dtype takes no cast after the op).
+  bool factor_sums_fp32 = true, shift_sums_fp32 = true;
 
   int64_t rows = 0, cols = 0;
   int64_t tokens = 1;      // rows per batch entry, for the scale's (batch, token) rows
@@ -315,26 +318,26 @@ inline void group_by_batch_entry(NormBackwardArgs& b) {
 // - per row when the operand has one row per input row;
 // - per row, then summed over the batch, when it has one row per token shared by the
 //   batch entries ([1, S, D] with B > 1);
-// - else fp32 column sums per group (batch entry), reduced to its sizes.
+// - else column sums per group (batch entry), reduced to its sizes: of the operand's dtype
+//   when each group is one of its rows, else fp32 summed over the groups after.
 // modulation_grad points `rows` or `sums` at the buffer the runner fills; finish() then
 // gives the grad.
 struct ModulationGrad {
   at::Tensor rows;  // per-row grads, of the operand's sizes or (shared by the batch) the input's
-  at::Tensor sums;  // fp32 [groups, D] when summed
+  at::Tensor sums;  // [groups, D] when summed
+  bool add_groups = false;  // sums is fp32, and the operand's grad is its sum over the groups
 
   at::Tensor finish(const at::Tensor& like) const {
     if (sums.defined()) {
-      // An operand without a batch dim of B sums over it.
-      const bool per_batch = like.dim() >= 2 && like.size(0) == sums.size(0) && sums.size(0) > 1;
-      at::Tensor g = per_batch ? sums : at::sum(sums, {0}, /*keepdim=*/true);
-      return g.reshape(like.sizes()).to(like.scalar_type());
+      if (!add_groups) return sums.reshape(like.sizes());
+      return at::sum(sums, {0}, /*keepdim=*/true).reshape(like.sizes()).to(like.scalar_type());
     }
     return rows.sizes() == like.sizes() ? rows : at::sum(rows, {0}, /*keepdim=*/true);
   }
 };
 
 inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& input, const NormBackwardArgs& b,
-                                      void*& rows, float*& sums) {
+                                      void*& rows, void*& sums, bool& sums_fp32) {
   const auto contiguous = like.options().memory_format(at::MemoryFormat::Contiguous);
   if (like.numel() == b.rows * b.cols || (like.dim() == 3 && like.size(1) > 1)) {
     at::Tensor grad = at::empty(like.numel() == b.rows * b.cols ? like.sizes() : input.sizes(), contiguous);
@@ -343,10 +346,14 @@ inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& 
   }
   // The runner's groups (see group_by_batch_entry); without rows, zeros for each batch
   // entry, so that a [B, 1, D] operand keeps its sizes. The runner writes every element.
-  const auto fp32 = input.options().dtype(at::kFloat);
-  at::Tensor s = b.rows > 0 ? at::empty({b.rows / b.group_rows, b.cols}, fp32) : at::zeros({input.size(0), b.cols}, fp32);
-  sums = s.mutable_data_ptr<float>();
-  return {{}, s};
+  const int64_t groups = b.rows > 0 ? b.rows / b.group_rows : input.size(0);
+  // An operand without a batch dim of B sums over the groups after, in fp32.
+  const bool group_per_row = groups == 1 || (like.dim() >= 2 && like.size(0) == groups);
+  sums_fp32 = !group_per_row;
+  const auto options = group_per_row ? like.options() : input.options().dtype(at::kFloat);
+  at::Tensor s = b.rows > 0 ? at::empty({groups, b.cols}, options) : at::zeros({groups, b.cols}, options);
+  sums = s.mutable_data_ptr();
+  return {{}, s, sums_fp32};
 }
 
 }  // namespace norm_detail
@@ -448,7 +455,7 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
 
 // Backward of rms_norm (and of fused_add_rms_norm, whose residual_out grad is
 // grad_extra): returns (grad_input, grad_weight); grad_weight is [D] of the weight's dtype,
-// or an empty tensor without a weight. The fp32 column sums are reduced in a fixed order.
+// or an empty tensor without a weight. Its column sums add in fp32 in a fixed order.
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& input,
                                                      const std::optional<at::Tensor>& weight, double eps,
@@ -466,18 +473,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
   b.weight_offset = static_cast<float>(weight_offset);
   b.cast_before_weight = cast_before_weight;
   b.group_rows = b.rows;
+  // The weight's grad: fp32 column sums, rounded once to the weight's dtype by the runner.
   at::Tensor grad_weight = at::empty({0}, input.options());
-  at::Tensor sums;
   if (weight.has_value()) {
-    sums = at::empty({1, b.cols}, input.options().dtype(at::kFloat));
-    b.factor_sums = sums.mutable_data_ptr<float>();
+    grad_weight = at::empty({b.cols}, weight->options().memory_format(at::MemoryFormat::Contiguous));
+    b.factor_sums = grad_weight.mutable_data_ptr();
+    b.factor_sums_fp32 = weight->scalar_type() == at::kFloat;
   }
   if (b.rows > 0) {
     Backend::run(b);
-  } else if (sums.defined()) {
-    sums.zero_();
+  } else {
+    grad_weight.zero_();
   }
-  if (weight.has_value()) grad_weight = sums.reshape({b.cols}).to(weight->scalar_type());
   return {grad_input, grad_weight};
 }
 
@@ -509,8 +516,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
     b.stats = stats->const_data_ptr<float>();
   }
   norm_detail::group_by_batch_entry(b);
-  auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums);
-  auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums);
+  auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums, b.factor_sums_fp32);
+  auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums, b.shift_sums_fp32);
   if (b.rows > 0) Backend::run(b);
   return {grad_input, grad_scale.finish(scale), grad_shift.finish(shift)};
 }
@@ -532,7 +539,7 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_backward(const at::Tensor& gra
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, std::nullopt, /*grad_fp32_allowed=*/false);
   b.weight_offset = 0.f;  // g = gate
   norm_detail::group_by_batch_entry(b);
-  auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.factor_rows, b.factor_sums);
+  auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.factor_rows, b.factor_sums, b.factor_sums_fp32);
   if (b.rows > 0) Backend::run(b);
   return {grad_input, grad_gate.finish(gate)};
 }

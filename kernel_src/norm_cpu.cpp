@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -179,17 +181,23 @@ void run_backward(const NormBackwardArgs& a) {
       norm_backward_rows<T, W, G>(a, first, last, partial_row(factor_partial, c), partial_row(shift_partial, c));
     }
   });
-  for (const auto& [partial, sums] : {std::pair<std::vector<float>*, float*>{&factor_partial, a.factor_sums},
-                                      {&shift_partial, a.shift_sums}}) {
-    if (sums == nullptr) continue;
+  // The chunks' partial sums in order, in fp32, then stored in the sums' dtype.
+  auto add_chunks = [&](const std::vector<float>& partial, auto* sums) {
+    std::vector<float> total(n);
     for (int64_t g = 0; g < groups; ++g) {
-      float* out = sums + g * n;
-      std::fill(out, out + n, 0.f);
+      std::fill(total.begin(), total.end(), 0.f);
       for (int64_t c = 0; c < chunks; ++c) {
-        const float* p = partial->data() + (g * chunks + c) * n;
-        for (int64_t k = 0; k < n; ++k) out[k] += p[k];
+        const float* p = partial.data() + (g * chunks + c) * n;
+        for (int64_t k = 0; k < n; ++k) total[k] += p[k];
       }
+      using S = std::remove_pointer_t<decltype(sums)>;
+      for (int64_t k = 0; k < n; ++k) sums[g * n + k] = static_cast<S>(total[k]);
     }
+  };
+  for (const auto& [partial, sums, fp32] : {std::tuple{&factor_partial, a.factor_sums, a.factor_sums_fp32},
+                                            std::tuple{&shift_partial, a.shift_sums, a.shift_sums_fp32}}) {
+    if (sums == nullptr) continue;
+    fp32 ? add_chunks(*partial, static_cast<float*>(sums)) : add_chunks(*partial, static_cast<T*>(sums));
   }
 }
 
