@@ -349,11 +349,11 @@ inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& 
   const int64_t groups = b.rows > 0 ? b.rows / b.group_rows : input.size(0);
   // An operand without a batch dim of B sums over the groups after, in fp32.
   const bool group_per_row = groups == 1 || (like.dim() >= 2 && like.size(0) == groups);
-  sums_fp32 = !group_per_row;
+  sums_fp32 = !group_per_row || like.scalar_type() == at::kFloat;
   const auto options = group_per_row ? like.options() : input.options().dtype(at::kFloat);
   at::Tensor s = b.rows > 0 ? at::empty({groups, b.cols}, options) : at::zeros({groups, b.cols}, options);
   sums = s.mutable_data_ptr();
-  return {{}, s, sums_fp32};
+  return {{}, s, !group_per_row};
 }
 
 }  // namespace norm_detail
