@@ -212,11 +212,9 @@ def unkernelize(model: torch.nn.Module) -> None:
     back to its stock forward."""
     for module in _hooked(model):
         vars(module).pop("forward", None)
-        cls = type(module)
-        if "_ltx_host" in vars(cls):
-            module.__class__ = cls._ltx_host
-        elif hasattr(cls, "_ltx_host"):  # a class another library derived from ours (parametrize, FSDP)
-            module.forward = MethodType(cls._ltx_host.forward, module)
+        if not _class_back(module) and hasattr(type(module), "_ltx_host"):
+            # a class another library derived from ours (parametrize, FSDP)
+            module.forward = MethodType(type(module)._ltx_host.forward, module)
 
 
 # ---------------------------------------------------------------------------------------
@@ -299,11 +297,20 @@ def _forwards_into_classes(model: torch.nn.Module) -> None:
         module.__class__ = _LAYER_CLASSES[key]
 
 
+def _class_back(module: torch.nn.Module) -> bool:
+    """A module `_forwards_into_classes` gave a layer subclass back to its host class;
+    False for any other module (left as it is)."""
+    cls = type(module)
+    if "_ltx_host" not in vars(cls):
+        return False
+    module.__class__ = cls._ltx_host
+    return True
+
+
 def _classes_back(model: torch.nn.Module) -> None:
-    """Each module `_forwards_into_classes` gave a layer subclass back to its host class."""
+    """Every module of ``model`` in a layer subclass back to its host class."""
     for module in _hooked(model):
-        if "_ltx_host" in vars(type(module)):
-            module.__class__ = type(module)._ltx_host
+        _class_back(module)
 
 
 def _importable(cls: type) -> bool:
