@@ -11,6 +11,9 @@ column-grad sums, the weight or broadcast scale and AdaLN's saved row statistics
 row) are small and not counted. The gated
 residual's backward reads x and dy and writes dx (a per-token gate: also reads the gate and
 writes its grad); its "torch" rows time the two PyTorch expressions it replaces.
+gated_residual_adaln's backward reads the sum, its input, dy and the sum's own grad and
+writes the grads of the residual and the input (six passes); its "two ops" rows time
+adaln_backward then gated_residual_backward, which read the residual's grad back (seven).
 """
 
 import argparse
@@ -78,6 +81,23 @@ def gated_case(ops, batch, tokens, cols, per_token=False, torch_formula=False):
     return name, make_call, batch * tokens * cols * BF16.itemsize * (5 if per_token else 3)
 
 
+def gated_adaln_case(ops, batch, tokens, cols, norm="rms", two_ops=False):
+    def make_call():
+        x, residual, dy, dsum = (torch.randn(batch, tokens, cols, device="cuda", dtype=BF16) for _ in range(4))
+        gate, scale, shift = (torch.randn(batch, 1, cols, device="cuda", dtype=BF16) * 0.1 for _ in range(3))
+        summed, _, stats = ops.gated_residual_adaln_with_stats(residual, x, gate, scale, shift, 1e-6, norm)
+        if two_ops:
+            def call():
+                grad_sum = ops.adaln_backward(dy, summed, scale, shift, 1e-6, norm, dsum, stats)[0]
+                return ops.gated_residual_backward(grad_sum, x, gate)
+            return call
+        return lambda: ops.gated_residual_adaln_backward(dy, dsum, summed, x, gate, scale, shift, 1e-6, norm, stats)
+
+    who = "adaln_backward + gated_residual_backward" if two_ops else "gated_residual_adaln_backward"
+    name = f"{who} {norm} [{batch},{tokens},{cols}] gate/scale/shift [{batch},1,{cols}] bfloat16"
+    return name, make_call, batch * tokens * cols * BF16.itemsize * 6
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -101,6 +121,8 @@ def main():
         gated_case(ops, 2, 21504, 2048), gated_case(ops, 2, 21504, 2048, torch_formula=True),
         gated_case(ops, 2, 2688, 2048), gated_case(ops, 2, 2688, 2048, torch_formula=True),
         gated_case(ops, 2, 2688, 2048, per_token=True),
+        *(gated_adaln_case(ops, 2, tokens, 2048, norm, two_ops) for tokens in (21504, 2688)
+          for norm in ("rms", "layer") for two_ops in (False, True)),
     ]
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)\n")
     print("| op, shape | kernel us | MB moved | % copy BW |\n|---|---|---|---|")

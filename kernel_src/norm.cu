@@ -5,7 +5,7 @@
 #include "norm.h"
 
 #include <algorithm>
-#include <tuple>
+#include <array>
 #include <type_traits>
 
 namespace ltx {
@@ -231,30 +231,34 @@ void launch(const NormArgs& a, cudaStream_t stream) {
 // Bytes in flight come from loads per thread: four 16-byte vectors of x and of dy per
 // thread (32 elements in 16 bits: 128-thread rows at D = 4096, four blocks per SM; 16 in
 // fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes, eight single
-// elements on the unaligned path. More would spill beside the fp32 factor. One 16-byte
-// vector per thread on 512-thread rows (84 registers, one block per SM), even with the
-// next row prefetched, took 1.5x as long on the H200.
-__host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes) {
-  return vec == 1 ? 8 : vec * grad_bytes > 16 ? 2 : 4;
+// elements on the unaligned path. More would spill beside the fp32 factor, and so do four
+// with the gated residual's loads (three column grads): it takes two. One 16-byte vector
+// per thread on 512-thread rows (84 registers, one block per SM), even with the next row
+// prefetched, took 1.5x as long on the H200.
+__host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes, int accs) {
+  return vec == 1 ? 8 : accs == 3 || vec * grad_bytes > 16 ? 2 : 4;
 }
 // Shared-memory floats per thread: its elements for each column grad side by side, and 16
 // bytes of padding, so that the 16-byte accesses of 8 consecutive threads fall in distinct
-// banks (36 or 68 floats: 4 banks apart; 20: 20 apart; 12 on the scalar path).
+// banks (36 or 68 floats: 4 banks apart; 20 or 52: 20 apart; 28: 28 apart; 12, 20 or 28 on
+// the scalar path).
 __host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int accs) {
-  return accs * bwd_vecs(vec, grad_bytes) * vec + 4;
+  return accs * bwd_vecs(vec, grad_bytes, accs) * vec + 4;
 }
 constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
 // Values one row reduction of the backward sums at most (LayerNorm's).
 constexpr int kBwdRowSums = 3;
-// Column grads summed in shared memory: the weight's or scale's, and AdaLN's shift.
-__host__ __device__ constexpr int bwd_accs(NormKind kind, bool modulate) {
-  return modulate && kind != NormKind::kNone ? 2 : 1;
+// Column grads summed in shared memory: the weight's or scale's, AdaLN's shift, and
+// (gated) the gate's.
+__host__ __device__ constexpr int bwd_accs(NormKind kind, bool modulate, bool gated) {
+  return gated ? 3 : modulate && kind != NormKind::kNone ? 2 : 1;
 }
-// Threads on one row slice: two column accumulators take half as many, so that a block of
-// one row slice takes at most 36 KB of shared memory (beyond 48 KB only on request).
-constexpr int bwd_row_threads(int accs) { return accs == 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
+// Threads on one row slice: two or three column accumulators take half as many, so that a
+// block of one row slice takes at most 36 KB of shared memory with two, 51 KB with three
+// (beyond 48 KB on request, which max_blocks_per_sm makes).
+constexpr int bwd_row_threads(int accs) { return accs >= 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
 template <typename T, typename W, typename G>
 struct NormBwdParams {
@@ -269,6 +273,13 @@ struct NormBwdParams {
   T* shift_rows;
   float* factor_partial;  // [groups, gridDim.y, cols]
   float* shift_partial;
+  // The gated residual before the norm (GATED; see NormBackwardArgs).
+  const T* gate;
+  const T* gate_input;
+  T* gate_input_grad;
+  T* gate_rows;
+  float* gate_partial;
+  int64_t gate_batch, gate_token, gate_input_stride;
   int64_t scale_batch, scale_token;
   int64_t group_rows;
   int64_t input_stride, grad_out_stride, grad_extra_stride;
@@ -316,16 +327,17 @@ __device__ __forceinline__ void add_cluster_sums(float (&v)[N], float* mine, int
   for (int j = 0; j < N; ++j) v[j] = group_sum(lane < blocks ? load_cluster_shared(mine + j, lane) : 0.f, 32);
 }
 
-template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE>
+template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool GATED>
 __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
-  // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, and (AdaLN) dy.
+  // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, (AdaLN) dy and
+  // (gated) dr * input.
   extern __shared__ float4 column_acc_storage[];
   float* column_acc = reinterpret_cast<float*>(column_acc_storage);
   __shared__ float scratch[kBwdRowSums][32];
   __shared__ float cluster_sums[2][kBwdRowSums];
-  constexpr int kVecs = bwd_vecs(VEC, sizeof(G));
-  constexpr int kAccs = bwd_accs(KIND, MODULATE);
+  constexpr int kAccs = bwd_accs(KIND, MODULATE, GATED);
+  constexpr int kVecs = bwd_vecs(VEC, sizeof(G), kAccs);
   constexpr bool kLayer = KIND == NormKind::kLayer;
   constexpr bool kNormed = KIND != NormKind::kNone;  // kNone: n = x, dx = dy * g
   const int rows_per_block = blockDim.x / threads_per_row;
@@ -338,7 +350,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // Vector k of this thread in column chunk c (chunk `slice` is the block's own).
   auto vec_index = [&](int chunk, int k) { return (chunk * kVecs + k) * threads_per_row + t; };
   const int slice_cols = threads_per_row * kVecs * VEC;
-  const bool accumulate = p.factor_partial != nullptr || p.shift_partial != nullptr;
+  const bool accumulate = p.factor_partial != nullptr || p.shift_partial != nullptr || p.gate_partial != nullptr;
   // This thread's slots in accumulator `which`: its elements side by side (16-byte
   // accesses), the accumulators at fixed offsets from one base, so that the compiler may
   // move one's shared-memory loads above the other's stores.
@@ -447,6 +459,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       const int64_t next_r = group_first + next;
       prefetch_l2(p.input + next_r * p.input_stride + first_col, cols * sizeof(T), t, threads_per_row);
       prefetch_l2(p.grad_out + next_r * p.grad_out_stride + first_col, cols * sizeof(G), t, threads_per_row);
+      if (GATED) {
+        prefetch_l2(p.gate_input + next_r * p.gate_input_stride + first_col, cols * sizeof(T), t, threads_per_row);
+      }
       if (kMayHaveStats && p.stats != nullptr && t == 0) prefetch_l2(p.stats + next_r, sizeof(float2), 0, 1);
     }
 
@@ -537,6 +552,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     const float neg_mean_rstd = -mean * rstd, dn_scale = rstd * mean_dn_n, neg_mean_dn = -rstd * mean_dn;
     const int64_t out_row = r * p.cols;
     const T* extra = p.grad_extra != nullptr ? p.grad_extra + r * p.grad_extra_stride : nullptr;
+    const T* gated = GATED ? p.gate_input + r * p.gate_input_stride : nullptr;
+    const T* gate_row =
+        GATED ? p.gate + static_cast<int64_t>(blockIdx.z) * p.gate_batch + token * p.gate_token : nullptr;
     // The write pass, with the Llama-order rounding and the extra grad chosen once per row
     // rather than predicated per element.
     auto write_row = [&](auto round_normed, auto add_extra) {
@@ -546,6 +564,11 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       if constexpr (decltype(add_extra)::value) {
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) extras[k] = load_vec<T, VEC>(extra, min(vec_index(slice, k), nvec - 1));
+      }
+      Vec<T, VEC> gated_vecs[GATED ? kVecs : 1];
+      if constexpr (GATED) {
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) gated_vecs[k] = load_vec<T, VEC>(gated, min(vec_index(slice, k), nvec - 1));
       }
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
@@ -566,14 +589,27 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
                            : rstd * (dn - normed[j] * mean_dn_n);
           if constexpr (decltype(add_extra)::value) g[j] += ex[j];
         }
-        store_vec<T, VEC>(p.grad_input + out_row, i, from_floats<T>(g));
+        const Vec<T, VEC> grad_stored = from_floats<T>(g);
+        store_vec<T, VEC>(p.grad_input + out_row, i, grad_stored);
+        if constexpr (GATED) {
+          // gated_residual_backward's pass on grad_input as stored: dr * gate, dr * input.
+          float dr[VEC], gate_f[VEC], input_f[VEC], dr_gate[VEC], dr_input[VEC];
+          to_floats(grad_stored, dr);
+          to_floats(load_vec<T, VEC>(gate_row, i), gate_f);
+          to_floats(gated_vecs[k], input_f);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) dr_gate[j] = dr[j] * gate_f[j], dr_input[j] = dr[j] * input_f[j];
+          store_vec<T, VEC>(p.gate_input_grad + out_row, i, from_floats<T>(dr_gate));
+          if (accumulate) add_slots(2, k, dr_input);
+          if (p.gate_rows != nullptr) store_vec<T, VEC>(p.gate_rows + out_row, i, from_floats<T>(dr_input));
+        }
         if constexpr (decltype(round_normed)::value) to_floats(from_floats<T>(normed), normed);
         float dy_n[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dy_n[j] = df[j] * normed[j];
         if (accumulate) {
           add_slots(0, k, dy_n);
-          if constexpr (kAccs == 2) add_slots(1, k, df);
+          if constexpr (kAccs >= 2) add_slots(1, k, df);
         }
         if constexpr (MODULATE) {
           if (p.factor_rows != nullptr) store_vec<T, VEC>(p.factor_rows + out_row, i, from_floats<T>(dy_n));
@@ -601,7 +637,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   const int first_col = slice * slice_cols;
 #pragma unroll
   for (int which = 0; which < kAccs; ++which) {
-    float* partial = which == 0 ? p.factor_partial : p.shift_partial;
+    float* partial = which == 0 ? p.factor_partial : which == 1 ? p.shift_partial : p.gate_partial;
     if (partial == nullptr) continue;
     for (int c = threadIdx.x; c < slice_cols && first_col + c < p.cols; c += blockDim.x) {
       // Column c of the slice is element j of vector k of thread t (see vec_index).
@@ -617,13 +653,13 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 // sums[g, c] = sum over b of partial[g, b, c], b in order, rounded once to the sums' dtype
 // (fp32 or T). A block takes 32 columns, VEC per thread, and splits the partial rows over
 // threadIdx.y; the threads' sums then add in a fixed order. blockIdx.z picks the column
-// grad (weight or scale, then shift): both in one launch.
+// grad (weight or scale, then shift, then gate): all in one launch.
 constexpr int kSumCols = 32, kSumThreads = 512;
 
 struct ColumnSums {
-  const float* partial[2];
-  void* sums[2];
-  bool fp32[2];
+  const float* partial[3];
+  void* sums[3];
+  bool fp32[3];
 };
 
 template <typename T, int VEC>
@@ -634,8 +670,8 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
   float(*tile)[kSumCols] = reinterpret_cast<float(*)[kSumCols]>(tile_storage);
   const int first_col = blockIdx.x * kSumCols + threadIdx.x * VEC;
   // Selected, not indexed: a parameter array indexed at run time is copied to the stack.
-  const bool second = blockIdx.z != 0;
-  const float* group = (second ? grads.partial[1] : grads.partial[0]) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
+  auto pick = [](const auto (&field)[3]) { return blockIdx.z == 0 ? field[0] : blockIdx.z == 1 ? field[1] : field[2]; };
+  const float* group = pick(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
   float acc[VEC] = {};
   if (first_col < cols) {
     // 16-byte loads, eight in flight per thread (the adds keep their order): the partial
@@ -665,15 +701,15 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
 #pragma unroll
   for (int s = 0; s < kSegments; ++s) total += tile[s][t];
   const int64_t out = static_cast<int64_t>(blockIdx.y) * cols + out_col;
-  void* sums = second ? grads.sums[1] : grads.sums[0];
-  if (second ? grads.fp32[1] : grads.fp32[0]) {
+  void* sums = pick(grads.sums);
+  if (pick(grads.fp32)) {
     static_cast<float*>(sums)[out] = total;
   } else {
     static_cast<T*>(sums)[out] = from_float<T>(total);
   }
 }
 
-template <typename T, typename W, typename G, NormKind KIND, bool MODULATE>
+template <typename T, typename W, typename G, NormKind KIND, bool MODULATE, bool GATED = false>
 void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   auto ok_ptr = [](const void* ptr, std::size_t bytes) { return ptr == nullptr || aligned_to(ptr, bytes); };
@@ -682,19 +718,22 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                       a.grad_extra_stride % V == 0 && a.scale.batch_stride % V == 0 &&
                       a.scale.token_stride % V == 0 && ok_ptr(a.input, tb) && ok_ptr(a.grad_input, tb) &&
                       ok_ptr(a.grad_extra, tb) && ok_ptr(a.scale.ptr, tb) && ok_ptr(a.factor_rows, tb) &&
-                      ok_ptr(a.shift_rows, tb) && ok_ptr(a.weight, V * sizeof(W)) && ok_ptr(a.grad_out, V * sizeof(G));
+                      ok_ptr(a.shift_rows, tb) && ok_ptr(a.weight, V * sizeof(W)) &&
+                      ok_ptr(a.grad_out, V * sizeof(G)) && a.gate.batch_stride % V == 0 &&
+                      a.gate.token_stride % V == 0 && a.gate_input_stride % V == 0 && ok_ptr(a.gate.ptr, tb) &&
+                      ok_ptr(a.gate_input, tb) && ok_ptr(a.gate_input_grad, tb) && ok_ptr(a.gate_rows, tb);
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
-  const int vecs_per_thread = bwd_vecs(vec, sizeof(G));
-  constexpr int accs = bwd_accs(KIND, MODULATE);
+  constexpr int accs = bwd_accs(KIND, MODULATE, GATED);
+  const int vecs_per_thread = bwd_vecs(vec, sizeof(G), accs);
   const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(accs));
   const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
   const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
   const int device = a.device.index();
-  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr;
+  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr || a.gate_sums != nullptr;
   const std::size_t thread_shared = sums ? bwd_thread_floats(vec, sizeof(G), accs) * sizeof(float) : 0;
-  const auto kernel =
-      vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE> : norm_backward_kernel<T, W, G, 1, KIND, MODULATE>;
+  const auto kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED>
+                             : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED>;
   // Every block writes a partial row per column grad, which column_sum_kernel reads back.
   // With column sums, rows of 64 threads share a block, up to four at a time, for a quarter
   // of those partial rows, as long as as many threads stay resident per SM (16-bit AdaLN's
@@ -741,22 +780,30 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
       {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
   TORCH_CHECK(groups <= 65535, "norm backward: ", groups, " batch entries is more than one launch takes (65535)");
 
-  at::Tensor partial;
-  float* factor_partial = nullptr;
-  float* shift_partial = nullptr;
+  // The column grads summed, each into its own partial rows: the weight's or scale's, the
+  // shift's, the gate's.
+  struct ColumnGrad {
+    void* sums;
+    bool fp32;
+    float* partial;
+  };
+  std::array<ColumnGrad, 3> column_grads{{{a.factor_sums, a.factor_sums_fp32, nullptr},
+                                          {a.shift_sums, a.shift_sums_fp32, nullptr},
+                                          {a.gate_sums, a.gate_sums_fp32, nullptr}}};
   // With one row block the partial rows are the sums themselves, if they are fp32.
-  const bool sums_direct = row_blocks == 1 && (a.factor_sums == nullptr || a.factor_sums_fp32) &&
-                           (a.shift_sums == nullptr || a.shift_sums_fp32);
+  const bool sums_direct = row_blocks == 1 && std::all_of(column_grads.begin(), column_grads.end(), [](auto& g) {
+                             return g.sums == nullptr || g.fp32;
+                           });
+  at::Tensor partial;
   if (sums) {
     const int64_t per = groups * row_blocks * a.cols;
-    if (sums_direct) {
-      factor_partial = static_cast<float*>(a.factor_sums), shift_partial = static_cast<float*>(a.shift_sums);
-    } else {
-      const int buffers = (a.factor_sums != nullptr) + (a.shift_sums != nullptr);
-      partial = at::empty({buffers * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
-      float* next = partial.mutable_data_ptr<float>();
-      if (a.factor_sums != nullptr) factor_partial = next, next += per;
-      if (a.shift_sums != nullptr) shift_partial = next;
+    const auto buffers = std::count_if(column_grads.begin(), column_grads.end(), [](auto& g) { return g.sums; });
+    if (!sums_direct) partial = at::empty({buffers * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
+    float* next = sums_direct ? nullptr : partial.mutable_data_ptr<float>();
+    for (ColumnGrad& g : column_grads) {
+      if (g.sums == nullptr) continue;
+      g.partial = sums_direct ? static_cast<float*>(g.sums) : next;
+      if (!sums_direct) next += per;
     }
   }
   const NormBwdParams<T, W, G> p{static_cast<T*>(a.grad_input), static_cast<const G*>(a.grad_out),
@@ -764,7 +811,11 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  static_cast<const W*>(a.weight), static_cast<const T*>(a.scale.ptr),
                                  reinterpret_cast<const float2*>(a.stats),
                                  static_cast<T*>(a.factor_rows), static_cast<T*>(a.shift_rows),
-                                 factor_partial, shift_partial,
+                                 column_grads[0].partial, column_grads[1].partial,
+                                 static_cast<const T*>(a.gate.ptr), static_cast<const T*>(a.gate_input),
+                                 static_cast<T*>(a.gate_input_grad), static_cast<T*>(a.gate_rows),
+                                 column_grads[2].partial, a.gate.batch_stride, a.gate.token_stride,
+                                 a.gate_input_stride,
                                  a.scale.batch_stride, a.scale.token_stride, a.group_rows,
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
                                  a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight,
@@ -781,10 +832,9 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   if (sums && !sums_direct) {
     ColumnSums grads{};
     unsigned count = 0;
-    for (const auto& [from, to, fp32] : {std::tuple{factor_partial, a.factor_sums, a.factor_sums_fp32},
-                                         std::tuple{shift_partial, a.shift_sums, a.shift_sums_fp32}}) {
-      if (to == nullptr) continue;
-      grads.partial[count] = from, grads.sums[count] = to, grads.fp32[count] = fp32;
+    for (const ColumnGrad& g : column_grads) {
+      if (g.sums == nullptr) continue;
+      grads.partial[count] = g.partial, grads.sums[count] = g.sums, grads.fp32[count] = g.fp32;
       ++count;
     }
     const dim3 sum_grid(static_cast<unsigned>((a.cols + kSumCols - 1) / kSumCols), static_cast<unsigned>(groups), count);
@@ -809,6 +859,11 @@ void run_norm_backward_cuda(const NormBackwardArgs& a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
     using T = scalar_t;
+    if (a.gate.ptr != nullptr) {  // the gated residual, then AdaLN
+      TORCH_INTERNAL_ASSERT(a.kind != NormKind::kNone && a.scale.ptr != nullptr);
+      return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true, true>(a, stream)
+                                        : launch_backward<T, T, T, NormKind::kRms, true, true>(a, stream);
+    }
     if (a.scale.ptr != nullptr) {  // AdaLN, or the gated residual (kNone)
       switch (a.kind) {
         case NormKind::kLayer: return launch_backward<T, T, T, NormKind::kLayer, true>(a, stream);

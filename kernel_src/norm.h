@@ -82,13 +82,24 @@ struct NormBackwardArgs {
   Modulation scale;                  // AdaLN's scale or the gate (g = weight_offset + scale), or ptr nullptr
   const float* stats = nullptr;      // the forward's [rows, 2] (mean, rstd), or nullptr: recomputed
 
+  // gated_residual_adaln's backward: the norm's input is residual + gate_input * gate, so
+  // grad_input is the residual's grad and, from it as rounded to dtype (dr), gate_input
+  // gets gate_input_grad = dr * gate and the gate gate_rows / gate_sums of dr * gate_input,
+  // in the same pass (else a second op reads grad_input back). gate.ptr nullptr: no gate.
+  Modulation gate;
+  const void* gate_input = nullptr;  // [rows, cols], rows gate_input_stride apart
+  void* gate_input_grad = nullptr;   // [rows, cols] contiguous
+  void* gate_rows = nullptr;         // [rows, cols] contiguous dr * gate_input, or nullptr
+  void* gate_sums = nullptr;         // [groups, cols] sums of dr * gate_input, or nullptr
+  int64_t gate_input_stride = 0;
+
   void* factor_rows = nullptr;    // [rows, cols] contiguous dy * n, or nullptr
   void* factor_sums = nullptr;    // [groups, cols] sums of dy * n, or nullptr
   void* shift_rows = nullptr;     // [rows, cols] contiguous dy, or nullptr
   void* shift_sums = nullptr;     // [groups, cols] sums of dy, or nullptr
   // The sums' dtype: fp32, or else `dtype` (summed in fp32 and rounded once at the end, so
   // that a grad of the operand's dtype takes no cast after the op).
-  bool factor_sums_fp32 = true, shift_sums_fp32 = true;
+  bool factor_sums_fp32 = true, shift_sums_fp32 = true, gate_sums_fp32 = true;
 
   int64_t rows = 0, cols = 0;
   int64_t tokens = 1;      // rows per batch entry, for the scale's (batch, token) rows
@@ -280,7 +291,8 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
 // The backward's input, grad_out and grad_extra; returns grad_input and fills `b`.
 // `a` holds what the forward's checks derived (rows, cols, dtype, weight, scale).
 inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker& c, const at::Tensor& grad_out,
-                                const std::optional<at::Tensor>& grad_extra, bool grad_fp32_allowed) {
+                                const std::optional<at::Tensor>& grad_extra, bool grad_fp32_allowed,
+                                const char* grad_extra_name = "grad_extra") {
   b.kind = a.kind, b.dtype = a.dtype, b.weight_fp32 = a.weight_fp32, b.device = a.device;
   b.input = a.input, b.weight = a.weight, b.scale = a.scale;
   b.rows = a.rows, b.cols = a.cols, b.tokens = a.tokens, b.input_stride = a.input_stride;
@@ -291,11 +303,33 @@ inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker&
   b.grad_out_stride = c.like_input(grad_out, "grad_out", grad_out.scalar_type());
   b.grad_out = grad_out.const_data_ptr();
   if (grad_extra.has_value()) {
-    b.grad_extra_stride = c.like_input(*grad_extra, "grad_extra", a.dtype);
+    b.grad_extra_stride = c.like_input(*grad_extra, grad_extra_name, a.dtype);
     b.grad_extra = grad_extra->const_data_ptr();
   }
   at::Tensor grad_input = at::empty(c.input.sizes(), c.input.options());
   b.grad_input = grad_input.mutable_data_ptr();
+  return grad_input;
+}
+
+// The AdaLN backward's checks and arguments, for adaln_backward and
+// gated_residual_adaln_backward (the norm's input is c.input); returns its grad_input.
+inline at::Tensor adaln_backward_args(NormBackwardArgs& b, Checker& c, const at::Tensor& grad_out,
+                                      const at::Tensor& scale, const at::Tensor& shift, double eps,
+                                      const std::string& norm, const std::optional<at::Tensor>& grad_extra,
+                                      const std::optional<at::Tensor>& stats, const char* grad_extra_name) {
+  c.check_input();
+  c.batch_tokens();
+  c.a.kind = parse_kind(norm, c.op);
+  check_eps(eps, c.op);
+  c.a.scale = c.modulation(scale, "scale");
+  c.modulation(shift, "shift");
+  at::Tensor grad_input = backward_args(b, c.a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false, grad_extra_name);
+  b.eps = static_cast<float>(eps);
+  b.weight_offset = 1.f;  // g = 1 + scale
+  if (stats.has_value()) {
+    c.check_stats(*stats, "stats");
+    b.stats = stats->const_data_ptr<float>();
+  }
   return grad_input;
 }
 
@@ -307,8 +341,10 @@ inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker&
 // takes at most 65535 groups).
 inline void group_by_batch_entry(NormBackwardArgs& b) {
   if (b.tokens == 1) {
-    b.scale.token_stride = b.scale.batch_stride;
-    b.scale.batch_stride = 0;
+    for (Modulation* m : {&b.scale, &b.gate}) {
+      m->token_stride = m->batch_stride;
+      m->batch_stride = 0;
+    }
     b.tokens = b.rows;
   }
   b.group_rows = b.tokens;
@@ -498,28 +534,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
                                                                double eps, const std::string& norm,
                                                                const std::optional<at::Tensor>& grad_extra,
                                                                const std::optional<at::Tensor>& stats) {
-  constexpr const char* op = "adaln_backward";
   NormArgs a;
-  norm_detail::Checker c{op, input, Backend::device, a};
-  c.check_input();
-  c.batch_tokens();
-  a.kind = norm_detail::parse_kind(norm, op);
-  norm_detail::check_eps(eps, op);
-  a.scale = c.modulation(scale, "scale");
-  c.modulation(shift, "shift");
+  norm_detail::Checker c{"adaln_backward", input, Backend::device, a};
   NormBackwardArgs b;
-  at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false);
-  b.eps = static_cast<float>(eps);
-  b.weight_offset = 1.f;  // g = 1 + scale
-  if (stats.has_value()) {
-    c.check_stats(*stats, "stats");
-    b.stats = stats->const_data_ptr<float>();
-  }
+  at::Tensor grad_input =
+      norm_detail::adaln_backward_args(b, c, grad_out, scale, shift, eps, norm, grad_extra, stats, "grad_extra");
   norm_detail::group_by_batch_entry(b);
   auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums, b.factor_sums_fp32);
   auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums, b.shift_sums_fp32);
   if (b.rows > 0) Backend::run(b);
   return {grad_input, grad_scale.finish(scale), grad_shift.finish(shift)};
+}
+
+// Backward of gated_residual_adaln (residual_out = residual + input * gate, out =
+// adaln(residual_out)) in one pass: returns (grad_residual, grad_input, grad_gate,
+// grad_scale, grad_shift). grad_residual is adaln_backward's grad_input with
+// grad_residual_out as its grad_extra; grad_input and grad_gate are then what
+// gated_residual_backward gives for it, bit for bit, without reading it back.
+template <class Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_residual_adaln_backward(
+    const at::Tensor& grad_out, const at::Tensor& grad_residual_out, const at::Tensor& residual_out,
+    const at::Tensor& input, const at::Tensor& gate, const at::Tensor& scale, const at::Tensor& shift, double eps,
+    const std::string& norm, const std::optional<at::Tensor>& stats) {
+  NormArgs a;
+  norm_detail::Checker c{"gated_residual_adaln_backward", input, Backend::device, a};
+  NormBackwardArgs b;
+  at::Tensor grad_residual = norm_detail::adaln_backward_args(b, c, grad_out, scale, shift, eps, norm,
+                                                              grad_residual_out, stats, "grad_residual_out");
+  // The norm's input is residual_out; input is the gated one.
+  b.gate_input = b.input, b.gate_input_stride = b.input_stride;
+  b.input_stride = c.like_input(residual_out, "residual_out", a.dtype);
+  b.input = residual_out.const_data_ptr();
+  b.gate = c.modulation(gate, "gate");
+  at::Tensor grad_input = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
+  b.gate_input_grad = grad_input.mutable_data_ptr();
+  norm_detail::group_by_batch_entry(b);
+  auto grad_scale = norm_detail::modulation_grad(scale, input, b, b.factor_rows, b.factor_sums, b.factor_sums_fp32);
+  auto grad_shift = norm_detail::modulation_grad(shift, input, b, b.shift_rows, b.shift_sums, b.shift_sums_fp32);
+  auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.gate_rows, b.gate_sums, b.gate_sums_fp32);
+  if (b.rows > 0) Backend::run(b);
+  return {grad_residual, grad_input, grad_gate.finish(gate), grad_scale.finish(scale), grad_shift.finish(shift)};
 }
 
 // Backward of gated_residual's input * gate: returns (grad_input, grad_gate) = (grad_out *

@@ -114,9 +114,10 @@ void run(const NormArgs& a) {
 constexpr int64_t kChunkRows = 64;
 
 // Rows [begin, end) of the backward (see NormBackwardArgs); column grads are added to
-// factor_acc / shift_acc ([cols] each, or nullptr).
+// factor_acc / shift_acc / gate_acc ([cols] each, or nullptr).
 template <typename T, typename W, typename G>
-void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, float* factor_acc, float* shift_acc) {
+void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, float* factor_acc, float* shift_acc,
+                        float* gate_acc) {
   const int64_t n = a.cols;
   std::vector<float> centred(n), dy(n), dn(n);
   const W* w = static_cast<const W*>(a.weight);
@@ -150,12 +151,23 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, f
     T* dx = static_cast<T*>(a.grad_input) + r * n;
     T* factor_row = a.factor_rows != nullptr ? static_cast<T*>(a.factor_rows) + r * n : nullptr;
     T* shift_row = a.shift_rows != nullptr ? static_cast<T*>(a.shift_rows) + r * n : nullptr;
+    const T* gate = modulation_row<T>(a.gate, batch, token);
+    const T* gated = row_of<T>(a.gate_input, r, a.gate_input_stride);
+    T* gated_grad = gate != nullptr ? static_cast<T*>(a.gate_input_grad) + r * n : nullptr;
+    T* gate_row = a.gate_rows != nullptr ? static_cast<T*>(a.gate_rows) + r * n : nullptr;
     for (int64_t k = 0; k < n; ++k) {
       float normed = centred[k] * rstd;
       // kNone takes dn as is: an infinite x times a zero mean_dn_n would make it NaN.
       float d = normed_row ? rstd * (dn[k] - mean_dn - normed * mean_dn_n) : dn[k];
       if (extra != nullptr) d += static_cast<float>(extra[k]);
       dx[k] = static_cast<T>(d);
+      if (gate != nullptr) {  // from dx as stored, as gated_residual_backward would read it
+        const float dr = static_cast<float>(dx[k]);
+        gated_grad[k] = static_cast<T>(dr * static_cast<float>(gate[k]));
+        const float dr_x = dr * static_cast<float>(gated[k]);
+        if (gate_row != nullptr) gate_row[k] = static_cast<T>(dr_x);
+        if (gate_acc != nullptr) gate_acc[k] += dr_x;
+      }
       if (a.cast_before_weight) normed = static_cast<float>(static_cast<T>(normed));
       if (factor_row != nullptr) factor_row[k] = static_cast<T>(dy[k] * normed);
       if (factor_acc != nullptr) factor_acc[k] += dy[k] * normed;
@@ -172,13 +184,15 @@ void run_backward(const NormBackwardArgs& a) {
   const int64_t chunks = (a.group_rows + kChunkRows - 1) / kChunkRows;  // per group
   std::vector<float> factor_partial(a.factor_sums != nullptr ? groups * chunks * n : 0);
   std::vector<float> shift_partial(a.shift_sums != nullptr ? groups * chunks * n : 0);
+  std::vector<float> gate_partial(a.gate_sums != nullptr ? groups * chunks * n : 0);
   auto partial_row = [&](std::vector<float>& p, int64_t chunk) { return p.empty() ? nullptr : p.data() + chunk * n; };
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t group = c / chunks;
       const int64_t first = group * a.group_rows + (c - group * chunks) * kChunkRows;
       const int64_t last = std::min(first + kChunkRows, (group + 1) * a.group_rows);
-      norm_backward_rows<T, W, G>(a, first, last, partial_row(factor_partial, c), partial_row(shift_partial, c));
+      norm_backward_rows<T, W, G>(a, first, last, partial_row(factor_partial, c), partial_row(shift_partial, c),
+                                  partial_row(gate_partial, c));
     }
   });
   // The chunks' partial sums in order, in fp32, then stored in the sums' dtype.
@@ -195,7 +209,8 @@ void run_backward(const NormBackwardArgs& a) {
     }
   };
   for (const auto& [partial, sums, fp32] : {std::tuple{&factor_partial, a.factor_sums, a.factor_sums_fp32},
-                                            std::tuple{&shift_partial, a.shift_sums, a.shift_sums_fp32}}) {
+                                            std::tuple{&shift_partial, a.shift_sums, a.shift_sums_fp32},
+                                            std::tuple{&gate_partial, a.gate_sums, a.gate_sums_fp32}}) {
     if (sums == nullptr) continue;
     fp32 ? add_chunks(*partial, static_cast<float*>(sums)) : add_chunks(*partial, static_cast<T*>(sums));
   }

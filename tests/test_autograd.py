@@ -273,6 +273,48 @@ def test_gated_residual_grads(kernel, device, x_shape, gate_shape, dtype):
     _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * bcast(g), [r, x, gate], dtype)
 
 
+# gated_residual_adaln's backward in one pass: the grads its two ops give, adaln_backward
+# with the residual's grad as grad_extra, then gated_residual_backward on the grad that
+# returns. Bit for bit on the CPU; on CUDA within the grads' tolerance, as the fused kernel
+# spreads a row over twice the threads (its row sums add in another order) and its column
+# sums over other blocks.
+@pytest.mark.parametrize("x_shape, gate_shape", GATED_SHAPES, ids=str)
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_residual_adaln_backward_is_its_two_ops(kernel, device, x_shape, gate_shape, norm, dtype):
+    def randn(shape):
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    residual, x, gate, scale, shift = (randn(s) for s in (x_shape, x_shape, gate_shape, gate_shape, x_shape[-1:]))
+    summed, _, stats = kernel.ops.gated_residual_adaln_with_stats(residual, x, gate, scale, shift, 1e-6, norm)
+    grad_out, grad_summed = randn(x_shape), randn(x_shape)
+    for saved in (None, stats):
+        got = kernel.ops.gated_residual_adaln_backward(grad_out, grad_summed, summed, x, gate, scale, shift, 1e-6,
+                                                       norm, saved)
+        grad_residual, grad_scale, grad_shift = kernel.ops.adaln_backward(grad_out, summed, scale, shift, 1e-6, norm,
+                                                                          grad_summed, saved)
+        grad_input, grad_gate = kernel.ops.gated_residual_backward(grad_residual, x, gate)
+        expected = (grad_residual, grad_input, grad_gate, grad_scale, grad_shift)
+        for name, g, e in zip(("residual", "input", "gate", "scale", "shift"), got, expected):
+            assert g.dtype == e.dtype and g.shape == e.shape, (name, g.dtype, g.shape)
+            if device == "cpu":
+                assert torch.equal(g, e), name
+            else:
+                _assert_grad_close(g, e.double(), dtype, f"grad of {name}")
+
+
+def test_gated_residual_adaln_backward_refuses_bad_inputs(kernel, device):
+    x, mod = torch.randn(2, 5, 64, device=device), torch.randn(2, 1, 64, device=device)
+    op = kernel.ops.gated_residual_adaln_backward
+    op(x, x, x, x, mod, mod, mod, 1e-6, "rms")
+    with pytest.raises(RuntimeError, match=r"gated_residual_adaln_backward: residual_out has sizes \[2, 4, 64\]"):
+        op(x, x, x[:, :4], x, mod, mod, mod, 1e-6, "rms")
+    with pytest.raises(RuntimeError, match=r"gated_residual_adaln_backward: grad_residual_out has dtype"):
+        op(x, x.double(), x, x, mod, mod, mod, 1e-6, "rms")
+    with pytest.raises(RuntimeError, match=r"gated_residual_adaln_backward: gate with sizes \[3, 1, 64\]"):
+        op(x, x, x, x, torch.randn(3, 1, 64, device=device), mod, mod, 1e-6, "rms")
+
+
 @pytest.mark.parametrize("gate_shape", [(2, 1, 64), (1, 0, 64), (2, 0, 64)], ids=str)
 def test_gated_residual_grads_without_rows(kernel, device, gate_shape):
     r, x, gate = _leaves(device, torch.float32, (2, 0, 64), (2, 0, 64), gate_shape)

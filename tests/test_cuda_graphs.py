@@ -50,6 +50,9 @@ def _cases(k):
         "gated_residual_adaln_with_stats": ([tok, x, mod, mod, mod], lambda r, x, g, s, t:
                                             k.ops.gated_residual_adaln_with_stats(r, x, g, s, t, 1e-6, "layer")),
         "gated_residual_backward": ([x, x, mod], lambda g, x, gate: k.ops.gated_residual_backward(g, x, gate)),
+        "gated_residual_adaln_backward": ([wide, wide, wide, wide, wide_mod, wide_mod, wide_mod],
+                                          lambda g, gs, s, x, gate, sc, sh: k.ops.gated_residual_adaln_backward(
+                                              g, gs, s, x, gate, sc, sh, 1e-6, "rms", None)),
         "rope_backward": ([q, kk, cos, cos], lambda gq, gk, c, s: k.ops.rope_backward(gq, gk, c, s, True, 2)),
         "gelu_backward": ([x, x], lambda g, x: k.ops.gelu_backward(g, x, "tanh")),
         "gelu_mul_backward": ([x, x, x], lambda g, a, b: k.ops.gelu_mul_backward(g, a, b, "none")),

@@ -21,6 +21,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Tensors2 = std::tuple<Tensor, Tensor>;
 using Tensors3 = std::tuple<Tensor, Tensor, Tensor>;
+using Tensors5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // The op `name` of this extension, called below the Autograd key by the forwards.
 template <class Signature>
@@ -50,6 +51,9 @@ LTX_OP(gated_residual_adaln_with_stats, Tensors3(const Tensor&, const Tensor&, c
 LTX_OP(adaln_backward, Tensors3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, c10::string_view,
                                 const optional<Tensor>&, const optional<Tensor>&))
 LTX_OP(gated_residual_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&))
+LTX_OP(gated_residual_adaln_backward,
+       Tensors5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                const Tensor&, double, c10::string_view, const optional<Tensor>&))
 LTX_OP(rope, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, int64_t))
 LTX_OP(rope_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, int64_t))
 LTX_OP(qk_norm_rope, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -162,12 +166,10 @@ struct GatedResidualAdaln : torch::autograd::Function<GatedResidualAdaln> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    // The sum's own grad joins the norm's as grad_extra.
-    auto [grad_sum, grad_scale, grad_shift] =
-        adaln_backward_op().call(grads[1].contiguous(), saved[4], saved[2], saved[3],
-                                 ctx->saved_data["eps"].toDouble(), ctx->saved_data["norm"].toStringRef(),
-                                 grads[0].contiguous(), saved[5]);
-    auto [grad_input, grad_gate] = gated_residual_backward_op().call(grad_sum, saved[0], saved[1]);
+    // The sum's own grad joins the norm's; the gate's backward runs in the same pass.
+    auto [grad_sum, grad_input, grad_gate, grad_scale, grad_shift] = gated_residual_adaln_backward_op().call(
+        grads[1].contiguous(), grads[0].contiguous(), saved[4], saved[0], saved[1], saved[2], saved[3],
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["norm"].toStringRef(), saved[5]);
     return {grad_sum, grad_input, grad_gate, grad_scale, grad_shift, {}, {}};
   }
 };

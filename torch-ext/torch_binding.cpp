@@ -186,6 +186,15 @@ std::tuple<Tensor, Tensor, Tensor> adaln_backward(const Tensor& grad_out, const 
 }
 
 template <class B>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gated_residual_adaln_backward(
+    const Tensor& grad_out, const Tensor& grad_residual_out, const Tensor& residual_out, const Tensor& input,
+    const Tensor& gate, const Tensor& scale, const Tensor& shift, double eps, c10::string_view norm,
+    const optional<Tensor>& stats) {
+  return ltx::gated_residual_adaln_backward<B>(grad_out, grad_residual_out, residual_out, input, gate, scale, shift,
+                                               eps, std::string(norm), stats);
+}
+
+template <class B>
 Tensor gelu_backward(const Tensor& grad, const Tensor& input, c10::string_view approximate) {
   return ltx::gelu_backward<B>(grad, input, std::string(approximate));
 }
@@ -241,6 +250,7 @@ void impl_norm_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("rms_norm_backward", device, &ltx::rms_norm_backward<B>);
   ops.impl("adaln_backward", device, &adaln_backward<B>);
   ops.impl("gated_residual_backward", device, &ltx::gated_residual_backward<B>);
+  ops.impl("gated_residual_adaln_backward", device, &gated_residual_adaln_backward<B>);
 }
 
 }  // namespace
@@ -273,6 +283,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("adaln_backward(Tensor grad_out, Tensor input, Tensor scale, Tensor shift, float eps, str norm, "
           "Tensor? grad_extra, Tensor? stats=None) -> (Tensor, Tensor, Tensor)");
   ops.def("gated_residual_backward(Tensor grad_out, Tensor input, Tensor gate) -> (Tensor, Tensor)");
+  ops.def("gated_residual_adaln_backward(Tensor grad_out, Tensor grad_residual_out, Tensor residual_out, "
+          "Tensor input, Tensor gate, Tensor scale, Tensor shift, float eps, str norm, Tensor? stats=None) "
+          "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   ops.def("gelu(Tensor input, str approximate) -> Tensor");
   ops.def("gelu_out(Tensor! out, Tensor input, str approximate) -> ()");

@@ -214,3 +214,9 @@ def _(grad_out, x, scale, shift, eps, norm, grad_extra, stats=None):
 @torch.library.register_fake(add_op_namespace_prefix("gated_residual_backward"))
 def _(grad_out, x, gate):
     return _empty_rows_like(x), torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("gated_residual_adaln_backward"))
+def _(grad_out, grad_residual_out, residual_out, x, gate, scale, shift, eps, norm, stats=None):
+    return (_empty_rows_like(residual_out), _empty_rows_like(x),
+            *(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (gate, scale, shift)))
