@@ -524,9 +524,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
   return {grad_input, grad_weight};
 }
 
-// Backward of adaln (and of gated_residual_adaln's norm, whose residual_out grad is
-// grad_extra): returns (grad_input, grad_scale, grad_shift) in the sizes and dtypes of
-// input, scale and shift. `stats`, the forward's row statistics, saves the backward
+// Backward of adaln: returns (grad_input, grad_scale, grad_shift) in the sizes and dtypes of
+// input, scale and shift; grad_extra, if given, is added to grad_input. `stats`, the forward's row statistics, saves the backward
 // computing them again (LayerNorm: a reduction per row).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& grad_out, const at::Tensor& input,
@@ -549,8 +548,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& 
 // Backward of gated_residual_adaln (residual_out = residual + input * gate, out =
 // adaln(residual_out)) in one pass: returns (grad_residual, grad_input, grad_gate,
 // grad_scale, grad_shift). grad_residual is adaln_backward's grad_input with
-// grad_residual_out as its grad_extra; grad_input and grad_gate are then what
-// gated_residual_backward gives for it, bit for bit, without reading it back.
+// grad_residual_out as its grad_extra; grad_input and grad_gate are gated_residual_backward's
+// formulas on grad_residual as stored, in the same pass (no second read of it).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_residual_adaln_backward(
     const at::Tensor& grad_out, const at::Tensor& grad_residual_out, const at::Tensor& residual_out,
