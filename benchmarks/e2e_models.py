@@ -19,13 +19,15 @@ call returns; the table shows it in parentheses). Each kernelized output is comp
 with the eager one. Also a torch.profiler breakdown of the kernels of one call per model
 in each configuration (LTX: the first video; Qwen3: the decode step) with, on a GPU, that
 call's timeline (kernels, busy time, span, gaps), a Markdown table, JSON (--json) and a
-PNG bar chart (matplotlib, if importable).
+PNG bar chart (matplotlib, if importable). --clocks also records the SM clock, power and how
+often the software power cap held while each configuration was timed (nvidia-smi).
 
     python benchmarks/e2e_models.py --json benchmarks/results/e2e_h200.json   # on a GPU
     python benchmarks/e2e_models.py --tiny                                    # small models, seconds on CPU
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import platform
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,6 +84,7 @@ class Result:
     max_abs_diff: Optional[float] = None  # vs the first configuration run (eager by default)
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
+    clocks: Optional[dict] = None  # --clocks: see clock_summary
 
 
 def ltx_workloads(model, device, tiny, videos) -> List[Workload]:
@@ -156,8 +160,53 @@ def median_ms(fn, device, warmup, repeats) -> Tuple[float, float]:
     return statistics.median(times), statistics.median(host_times)
 
 
+class ClockSampler:
+    """nvidia-smi's SM clock, power and clock event reasons every 20 ms while the block runs
+    (``lines``; none without nvidia-smi). The H200 runs a compiled LTX forward at its software
+    power cap, where the SM clock and with it compute-bound kernels such as attention vary."""
+
+    QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+    def __enter__(self):
+        self.lines: List[str] = []
+        try:
+            command = ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", "20"]
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except FileNotFoundError:
+            self.process = None
+            return self
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
+        self.reader.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.process is not None:
+            self.process.terminate()
+            self.reader.join(timeout=2)
+
+
+SW_POWER_CAP = 0x4  # nvidia-smi's clock event reason bit
+
+
+def clock_summary(lines: List[str]) -> Optional[dict]:
+    """Samples of ClockSampler's query in, medians and range out; None without samples."""
+    samples = []
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            samples.append((float(fields[0]), float(fields[1]), int(fields[2], 16)))
+        except (ValueError, IndexError):
+            continue  # a line cut off by the sampler's end, or "[N/A]"
+    if not samples:
+        return None
+    sm = [s[0] for s in samples]
+    return dict(samples=len(samples), sm_mhz_median=statistics.median(sm), sm_mhz_min=min(sm), sm_mhz_max=max(sm),
+                power_w_median=statistics.median(s[1] for s in samples),
+                power_cap_share=sum(bool(s[2] & SW_POWER_CAP) for s in samples) / len(samples))
+
+
 def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options, profiled: Workload,
-                    profile_top) -> Tuple[List[Result], Dict[str, List[dict]], Dict[str, Optional[dict]]]:
+                    profile_top, clocks=False) -> Tuple[List[Result], Dict[str, List[dict]], Dict[str, Optional[dict]]]:
     """Each configuration's times, and (profile_top > 0) the profile_kernels of one call of
     ``profiled`` in it and its GPU timeline, both keyed "workload / config"."""
     results, eager_outputs, profiles, timelines = [], {}, {}, {}
@@ -173,7 +222,9 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
             try:
                 with torch.no_grad():
                     output = workload.run(runner).float()
-                    result.ms, result.host_ms = median_ms(lambda: workload.run(runner), device, *timing)
+                    with ClockSampler() if clocks else contextlib.nullcontext() as sampler:
+                        result.ms, result.host_ms = median_ms(lambda: workload.run(runner), device, *timing)
+                    result.clocks = clock_summary(sampler.lines) if clocks else None
                 if profile_top and workload is profiled:
                     key = f"{workload.name} / {config}"
                     profiles[key], timelines[key] = profile_kernels(lambda: workload.run(runner), device, profile_top)
@@ -359,6 +410,8 @@ def main(argv=None):
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend (\"eager\": only dynamo's tracing, to check for graph breaks)")
     parser.add_argument("--profile-top", type=int, default=15, help="kernels in the profile (0: no profile)")
+    parser.add_argument("--clocks", action="store_true",
+                        help="sample SM clock, power and the power cap (nvidia-smi) while each configuration is timed")
     parser.add_argument("--json", type=Path, help="write the results here (and the plot beside it, .png)")
     args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -391,7 +444,7 @@ def main(argv=None):
         print(f"LTX-Video transformer: {parameters(ltx)} parameters", flush=True)
         model_results, model_profiles, model_timelines = benchmark_model(
             ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options, workloads[0],
-            args.profile_top)
+            args.profile_top, args.clocks)
         results += model_results
         profiles.update(model_profiles)
         timelines.update(model_timelines)
@@ -405,7 +458,7 @@ def main(argv=None):
         # the decode step profiled: where the per-layer small kernels show
         model_results, model_profiles, model_timelines = benchmark_model(
             qwen, workloads, kernelize_transformers, configs, device, timing, compile_options, workloads[-1],
-            args.profile_top)
+            args.profile_top, args.clocks)
         results += model_results
         profiles.update(model_profiles)
         timelines.update(model_timelines)
@@ -414,6 +467,16 @@ def main(argv=None):
     env = environment(device)
     print(f"\n{env['device']}, torch {env['torch']}, {DTYPE}, median of {timing[1]} after {timing[0]} warmup\n")
     print(markdown(results, configs))
+    clocked = [r for r in results if r.clocks]
+    if clocked:
+        print("\nWhile timed (nvidia-smi every 20 ms):\n")
+        print("| workload / config | SM clock MHz, median (min-max) | power W, median | samples at the power cap |")
+        print("|---|---|---|---|")
+        for r in clocked:
+            c = r.clocks
+            sm = f"{c['sm_mhz_median']:.0f} ({c['sm_mhz_min']:.0f}-{c['sm_mhz_max']:.0f})"
+            print(f"| {r.workload} / {r.config} | {sm} | {c['power_w_median']:.0f} "
+                  f"| {100 * c['power_cap_share']:.0f}% of {c['samples']} |")
     for workload_config, profile in profiles.items():
         print(f"\nWhere {workload_config} spends its time (top {len(profile)}):\n")
         print("| kernel | calls | ms | % |\n|---|---|---|---|")

@@ -25,13 +25,15 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
     bench = load_benchmark()
     out = tmp_path / "e2e.json"
     bench.main(["--tiny", "--device", "cpu", "--compile-backend", "eager", "--warmup", "0", "--repeats", "1",
-                "--profile-top", "40", "--json", str(out)])
+                "--profile-top", "40", "--clocks", "--json", str(out)])
     report = json.loads(out.read_text())
     results = report["results"]
     workloads = {r["workload"] for r in results}
     assert len(workloads) == 3 and len(results) == 3 * len(bench.CONFIGS)
     for r in results:
         assert r["error"] is None and r["ms"] > 0 and r["host_ms"] > 0, r
+        # nvidia-smi's samples where it is installed (a GPU machine), else none
+        assert r["clocks"] is None or r["clocks"]["samples"] > 0, r
         if r["config"] == "compile+kernels" and r["workload"].startswith("Qwen3"):
             # transformers models stay stock under Mode.TORCH_COMPILE (kernelize_transformers)
             assert r["replaced"] == {} and r["max_abs_diff"] < 5e-2, r
@@ -83,3 +85,13 @@ def test_timeline_merges_overlapping_work_and_counts_the_gaps():
     line = bench.timeline([(10.0, 30.0), (0.0, 5.0), (20.0, 40.0), (45.0, 50.0), (46.0, 47.0)])
     assert line == pytest.approx(dict(kernels=5, span_ms=0.050, busy_ms=0.040, gaps_ms=0.010))
     assert bench.timeline([]) == dict(kernels=0, span_ms=0.0, busy_ms=0.0, gaps_ms=0.0)
+
+
+def test_clock_summary_reads_nvidia_smi_samples():
+    """clocks.sm, power.draw, clocks_event_reasons.active per line; bit 0x4 is the software
+    power cap; lines cut off or not available are skipped."""
+    summary = load_benchmark().clock_summary(["1740, 559.20, 0x0000000000000004", "1965, 690.5, 0x0000000000000000",
+                                              "1605, 701.0, 0x0000000000000004", "1800, [N/A], 0x0", "17"])
+    assert summary == dict(samples=3, sm_mhz_median=1740.0, sm_mhz_min=1605.0, sm_mhz_max=1965.0,
+                           power_w_median=690.5, power_cap_share=2 / 3)
+    assert load_benchmark().clock_summary([]) is None
