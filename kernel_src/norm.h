@@ -525,8 +525,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
 }
 
 // Backward of adaln: returns (grad_input, grad_scale, grad_shift) in the sizes and dtypes of
-// input, scale and shift; grad_extra, if given, is added to grad_input. `stats`, the forward's row statistics, saves the backward
-// computing them again (LayerNorm: a reduction per row).
+// input, scale and shift; grad_extra, if given, is added to grad_input. `stats`, the
+// forward's row statistics, saves the backward computing them again (LayerNorm: a
+// reduction per row).
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_backward(const at::Tensor& grad_out, const at::Tensor& input,
                                                                const at::Tensor& scale, const at::Tensor& shift,
