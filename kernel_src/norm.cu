@@ -16,6 +16,22 @@ namespace {
 // 1024-thread block under its 64 registers per thread. Rows of more than
 // max_block * 4 vectors re-read the rest, which then comes from L2.
 constexpr int kCachedVecs = 4;
+// The residual variants load two or three vectors (input, residual, gate) per vector they
+// cache and store the sum: at four vectors a thread they take 76-78 registers, so few rows
+// are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits, 1024 in
+// fp32) take one vector a thread instead, at most 48 registers (kOneVecMinBlocks blocks
+// per SM), their write operands loaded before the reduction. H200, bf16 (bench_ops runs
+// before and after): gated_residual_adaln rms [2,2688,2048] 30.2 -> 27.7 us, layer 32.6
+// -> 30.6 us, but [2,21504,2048] rms 195.7 -> 199.6 us, layer 210.6 -> 216.3 us; sweeps of
+// one build: gated_residual [2,2688,2048] 18.7 -> 18.1 us, fused_add_rms_norm 8192x2048
+// 40.6 -> 40.0 us. Rows without a residual were slower so (adaln rms [2,21504,2048] 94 ->
+// 137 us, rms_norm 5376x2048 13.2 -> 15.9 us).
+constexpr int kOneVecThreads = 256;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kOneVecMinBlocks = 4;  // sm_75 holds 1024 threads per SM (64 registers)
+#else
+constexpr int kOneVecMinBlocks = 5;
+#endif
 
 // What an instantiation fuses around the norm (unused operands compile away):
 // RESIDUAL, a residual (+ gate) add before the norm with the sum stored; MODULATE,
@@ -43,8 +59,14 @@ struct NormParams {
   bool cast_before_weight;
 };
 
-template <typename T, typename W, typename O, int VEC, NormKind KIND, bool RESIDUAL, bool MODULATE>
-__global__ void __launch_bounds__(max_block(RESIDUAL, MODULATE)) norm_kernel(const NormParams<T, W, O> p, int threads_per_row) {
+// CACHED vectors a thread stay in registers; with one (the residual variants' launch above,
+// see kOneVecThreads), the row has at most threads_per_row vectors and nothing is re-read.
+// A minimum of 0 blocks is none: an explicit 1 took the four-vector kernels from 76-78 to
+// 80-84 registers on sm_90 (gated_residual_adaln [2,2688,2048] 31.4 -> 35.8 us).
+template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
+__global__ void __launch_bounds__(CACHED == 1 ? kOneVecThreads : max_block(RESIDUAL, MODULATE),
+                                  CACHED == 1 ? kOneVecMinBlocks : 0)
+    norm_kernel(const NormParams<T, W, O> p, int threads_per_row) {
   __shared__ float scratch[32];
   const int rows_per_block = blockDim.x / threads_per_row;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
@@ -90,20 +112,38 @@ __global__ void __launch_bounds__(max_block(RESIDUAL, MODULATE)) norm_kernel(con
     return s;
   };
 
-  Vec<T, VEC> cached[kCachedVecs];
+  Vec<T, VEC> cached[CACHED];
+  constexpr bool kReread = CACHED > 1;
+  // AdaLN takes no weight (launch asserts it): without the weight's registers the AdaLN
+  // kernel of four vectors a thread holds 62-63 registers, not 69-72 (sm_90; H200, bf16,
+  // bench_ops runs before and after: adaln rms [2,21504,2048] 103.0 -> 91.6 us, layer
+  // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
+  constexpr bool kWeighted = !MODULATE;
+  // One vector a thread: its write operands load with it, so that their latency overlaps
+  // the row's rather than following the reduction.
+  constexpr bool kPreload = CACHED == 1;
+  Vec<W, VEC> pre_w;
+  Vec<T, VEC> pre_scale, pre_shift;
+  if (kPreload && active && t < nvec) {
+    if (kWeighted && p.weight != nullptr) pre_w = load_vec<W, VEC>(p.weight, t);
+    if constexpr (MODULATE) {
+      pre_scale = load_vec<T, VEC>(p.scale + batch * p.scale_batch + token * p.scale_token, t);
+      pre_shift = load_vec<T, VEC>(p.shift + batch * p.shift_batch + token * p.shift_token, t);
+    }
+  }
   // LayerNorm takes the mean first and then the centred square sum (as PyTorch, no
   // cancellation); RMSNorm takes the square sum in the first pass.
   constexpr bool kSquareFirst = KIND == NormKind::kRms;
   float acc = 0.f;
 #pragma unroll
-  for (int k = 0; k < kCachedVecs; ++k) {
+  for (int k = 0; k < CACHED; ++k) {
     const int i = t + k * threads_per_row;
     if (active && i < nvec) {
       cached[k] = load_row(i);
       acc += sum_of(cached[k], 0.f, kSquareFirst);
     }
   }
-  for (int i = t + kCachedVecs * threads_per_row; active && i < nvec; i += threads_per_row) {
+  for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
     acc += sum_of(load_row(i), 0.f, kSquareFirst);
   }
   if constexpr (KIND == NormKind::kNone) {
@@ -115,11 +155,11 @@ __global__ void __launch_bounds__(max_block(RESIDUAL, MODULATE)) norm_kernel(con
       mean = sum_sq * p.inv_cols;
       acc = 0.f;
 #pragma unroll
-      for (int k = 0; k < kCachedVecs; ++k) {
+      for (int k = 0; k < CACHED; ++k) {
         const int i = t + k * threads_per_row;
         if (active && i < nvec) acc += sum_of(cached[k], mean, true);
       }
-      for (int i = t + kCachedVecs * threads_per_row; active && i < nvec; i += threads_per_row) {
+      for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
         acc += sum_of(load_vec<T, VEC>(reread, i), mean, true);
       }
       sum_sq = row_sum(acc, threads_per_row, scratch);
@@ -134,28 +174,32 @@ __global__ void __launch_bounds__(max_block(RESIDUAL, MODULATE)) norm_kernel(con
     auto write = [&](const Vec<T, VEC>& v, int i) {
       Vec<W, VEC> w;
       Vec<T, VEC> sc, sh;
-      if (p.weight != nullptr) w = load_vec<W, VEC>(p.weight, i);
-      if constexpr (MODULATE) {
-        sc = load_vec<T, VEC>(scale, i);
-        sh = load_vec<T, VEC>(shift, i);
+      if constexpr (kPreload) {
+        w = pre_w, sc = pre_scale, sh = pre_shift;
+      } else {
+        if (kWeighted && p.weight != nullptr) w = load_vec<W, VEC>(p.weight, i);
+        if constexpr (MODULATE) {
+          sc = load_vec<T, VEC>(scale, i);
+          sh = load_vec<T, VEC>(shift, i);
+        }
       }
       Vec<O, VEC> y;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         float f = (to_float(v.v[j]) - mean) * rstd;
         if (p.cast_before_weight) f = to_float(from_float<T>(f));
-        if (p.weight != nullptr) f *= p.weight_offset + to_float(w.v[j]);
+        if (kWeighted && p.weight != nullptr) f *= p.weight_offset + to_float(w.v[j]);
         if constexpr (MODULATE) f = f * (1.f + to_float(sc.v[j])) + to_float(sh.v[j]);
         y.v[j] = from_float<O>(f);
       }
       store_vec<O, VEC>(y_row, i, y);
     };
 #pragma unroll
-    for (int k = 0; k < kCachedVecs; ++k) {
+    for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
       if (i < nvec) write(cached[k], i);
     }
-    for (int i = t + kCachedVecs * threads_per_row; i < nvec; i += threads_per_row) {
+    for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
       write(load_vec<T, VEC>(reread, i), i);
     }
   }
@@ -201,20 +245,30 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   const bool vector = vectorizable<T, W, O, V>(a);
   const int vec = vector ? V : 1;
+  const int64_t nvec = a.cols / vec;
+  const bool many_rows = two_rows_per_sm(a.rows, a.device.index());
+  const bool one_vec = RESIDUAL && vector && many_rows && nvec <= kOneVecThreads;
   // Fewer rows than two per SM (decode-size batches) are latency-bound: one vector per
   // thread spreads each row over more threads (128x4096 bf16: 3.3 us where four vectors
   // per thread took 4.3 us on the H200; large batches want four: 36 us against 70 us).
-  const int per_thread = two_rows_per_sm(a.rows, a.device.index()) ? kCachedVecs : 1;
-  const RowLaunch cfg = row_launch(a.cols / vec, per_thread, max_block(RESIDUAL, MODULATE));
+  const int per_thread = many_rows && !one_vec ? kCachedVecs : 1;
+  const RowLaunch cfg = row_launch(nvec, per_thread, one_vec ? kOneVecThreads : max_block(RESIDUAL, MODULATE));
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
   const NormParams<T, W, O> p = make_params<T, W, O>(a);
-  if (vector) {
-    norm_kernel<T, W, O, V, KIND, RESIDUAL, MODULATE><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
-  } else {
-    norm_kernel<T, W, O, 1, KIND, RESIDUAL, MODULATE><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+  auto run = [&](auto kernel) {
+    kernel<<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+    check_launch();
+  };
+  if constexpr (RESIDUAL) {
+    if (one_vec) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
   }
-  check_launch();
+  if (vector) {
+    run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE>);
+  } else {
+    run(norm_kernel<T, W, O, 1, kCachedVecs, KIND, RESIDUAL, MODULATE>);
+  }
 }
 
 
