@@ -27,6 +27,13 @@ constexpr int kCachedVecs = 4;
 // 40.6 -> 40.0 us. Rows without a residual were slower so (adaln rms [2,21504,2048] 94 ->
 // 137 us, rms_norm 5376x2048 13.2 -> 15.9 us).
 constexpr int kOneVecThreads = 256;
+// LayerNorm takes two row reductions, each a barrier pair that a one-vector row (256
+// threads at D = 2048) waits at with no loads in flight, where a four-vector row has 64
+// threads. From this many rows per SM its four-vector launch is faster. H200, bf16,
+// gated_residual_adaln layer, one vector against four: [2,5376,2048] 57.4 / 60.5 us,
+// [2,10752,2048] 110.5 / 109.2 us, [2,21504,2048] 216.5 / 207.1 us (RMSNorm's one vector
+// stays ahead: 196.9 / 199.2 us).
+constexpr int kLayerFourVecRowsPerSm = 128;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kOneVecMinBlocks = 4;  // sm_75 holds 1024 threads per SM (64 registers)
 #else
@@ -247,7 +254,8 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   const bool many_rows = two_rows_per_sm(a.rows, a.device.index());
-  const bool one_vec = RESIDUAL && vector && many_rows && nvec <= kOneVecThreads;
+  const bool one_vec = RESIDUAL && vector && many_rows && nvec <= kOneVecThreads &&
+                       (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sm_count(a.device.index()));
   // Fewer rows than two per SM (decode-size batches) are latency-bound: one vector per
   // thread spreads each row over more threads (128x4096 bf16: 3.3 us where four vectors
   // per thread took 4.3 us on the H200; large batches want four: 36 us against 70 us).
