@@ -20,12 +20,12 @@ constexpr int kCachedVecs = 4;
 // cache and store the sum: at four vectors a thread they take 76-78 registers, so few rows
 // are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits, 1024 in
 // fp32) take one vector a thread instead, at most 48 registers (kOneVecMinBlocks blocks
-// per SM), their write operands loaded before the reduction. H200, bf16 (bench_ops runs
-// before and after): gated_residual_adaln rms [2,2688,2048] 30.2 -> 27.7 us, layer 32.6
-// -> 30.6 us, but [2,21504,2048] rms 195.7 -> 199.6 us, layer 210.6 -> 216.3 us; sweeps of
-// one build: gated_residual [2,2688,2048] 18.7 -> 18.1 us, fused_add_rms_norm 8192x2048
-// 40.6 -> 40.0 us. Rows without a residual were slower so (adaln rms [2,21504,2048] 94 ->
-// 137 us, rms_norm 5376x2048 13.2 -> 15.9 us).
+// per SM), their write operands loaded before the reduction. H200, bf16, sweeps of one
+// build (four vectors / one): gated_residual_adaln rms [2,2688,2048] 31.4 / 28.4 us,
+// [2,21504,2048] 199.2 / 196.9 us; gated_residual [2,2688,2048] 18.7 / 18.0 us,
+// fused_add_rms_norm 8192x2048 40.7 / 39.3 us (LayerNorm's large batches: see
+// kLayerFourVecRowsPerSm). Rows without a residual were slower so (adaln rms
+// [2,21504,2048] 94 -> 137 us, rms_norm 5376x2048 13.2 -> 15.9 us).
 constexpr int kOneVecThreads = 256;
 // LayerNorm takes two row reductions, each a barrier pair that a one-vector row (256
 // threads at D = 2048) waits at with no loads in flight, where a four-vector row has 64
