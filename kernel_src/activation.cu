@@ -26,21 +26,22 @@ __device__ __forceinline__ void activation_vec(const ActivationParams<T>& p, int
   Vec<T, VEC> u, dy;
   if constexpr (HAS_UP) u = load_vec<T, VEC>(p.up + row * p.up_stride, col);
   if constexpr (BACKWARD) dy = load_vec<T, VEC>(p.grad + row * p.grad_stride, col);
-  Vec<T, VEC> y, du;
+  float x[VEC], up[VEC], d[VEC], y[VEC], du[VEC];
+  to_floats(g, x);
+  if constexpr (HAS_UP) to_floats(u, up);
+  if constexpr (BACKWARD) to_floats(dy, d);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const float x = to_float(g.v[j]);
-    const float up = HAS_UP ? to_float(u.v[j]) : 1.f;
+    const float up_j = HAS_UP ? up[j] : 1.f;
     if constexpr (BACKWARD) {
-      const float d = to_float(dy.v[j]);
-      y.v[j] = from_float<T>(d * up * (GELU == Gelu::kTanh ? gelu_tanh_grad(x) : gelu_erf_grad(x)));
-      if constexpr (HAS_UP) du.v[j] = from_float<T>(d * (GELU == Gelu::kTanh ? gelu_tanh(x) : gelu_erf(x)));
+      y[j] = d[j] * up_j * (GELU == Gelu::kTanh ? gelu_tanh_grad(x[j]) : gelu_erf_grad(x[j]));
+      if constexpr (HAS_UP) du[j] = d[j] * (GELU == Gelu::kTanh ? gelu_tanh(x[j]) : gelu_erf(x[j]));
     } else {
-      y.v[j] = from_float<T>((GELU == Gelu::kTanh ? gelu_tanh(x) : gelu_erf(x)) * up);
+      y[j] = (GELU == Gelu::kTanh ? gelu_tanh(x[j]) : gelu_erf(x[j])) * up_j;
     }
   }
-  store_vec<T, VEC>(p.out + row * p.out_stride, col, y);
-  if constexpr (BACKWARD && HAS_UP) store_vec<T, VEC>(p.up_grad + row * p.up_grad_stride, col, du);
+  store_vec<T, VEC>(p.out + row * p.out_stride, col, from_floats<T>(y));
+  if constexpr (BACKWARD && HAS_UP) store_vec<T, VEC>(p.up_grad + row * p.up_grad_stride, col, from_floats<T>(du));
 }
 
 // Threads tile [rows, vecs]: threadIdx.x walks a row's vectors, threadIdx.y its rows, so

@@ -17,11 +17,11 @@ namespace {
 // max_block * 4 vectors re-read the rest, which then comes from L2.
 constexpr int kCachedVecs = 4;
 // The residual variants load two or three vectors (input, residual, gate) per vector they
-// cache and store the sum: at four vectors a thread they take 76-78 registers, so few rows
-// are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits, 1024 in
-// fp32) take one vector a thread instead, at most 48 registers (kOneVecMinBlocks blocks
-// per SM), their write operands loaded before the reduction. H200, bf16, sweeps of one
-// build (four vectors / one): gated_residual_adaln rms [2,2688,2048] 31.4 / 28.4 us,
+// cache and store the sum: at four vectors a thread they take 62-64 registers (sm_90), so
+// few rows are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits,
+// 1024 in fp32) take one vector a thread instead, at most 48 registers (kOneVecMinBlocks
+// blocks per SM), their write operands loaded before the reduction. H200, bf16, sweeps of
+// one build (four vectors / one): gated_residual_adaln rms [2,2688,2048] 31.4 / 28.4 us,
 // [2,21504,2048] 199.2 / 196.9 us; gated_residual [2,2688,2048] 18.7 / 18.0 us,
 // fused_add_rms_norm 8192x2048 40.7 / 39.3 us (LayerNorm's large batches: see
 // kLayerFourVecRowsPerSm). Rows without a residual were slower so (adaln rms
@@ -38,6 +38,22 @@ constexpr int kLayerFourVecRowsPerSm = 128;
 constexpr int kOneVecMinBlocks = 4;  // sm_75 holds 1024 threads per SM (64 registers)
 #else
 constexpr int kOneVecMinBlocks = 5;
+#endif
+// Rows without a residual, of at most 2 * kTwoVecThreads vectors (D <= 4096 in 16 bits),
+// take two vectors a thread below kTwoVecRowsPerSm rows per SM: twice the threads a row of
+// the four-vector launch has, each with its write operands (a 16-bit weight) loaded
+// before the reduction, in at most 40 registers (six 256-thread blocks per SM). H200, one
+// build, four vectors (one below two rows per SM) / two: rms_norm bf16 128x4096 3.3 /
+// 3.0 us, 1024x2048 5.5 / 4.5 us, 4096x4096 20.5 / 19.7 us, 8192x4096 36.7 / 36.5 us;
+// adaln rms [2,2688,2048] 16.6 / 14.9 us. From 64 rows per SM four are faster (rms_norm
+// 32768x4096 134.6 / 137.9 us, adaln rms [2,21504,2048] 89.3 / 99.9 us). fp32 operands
+// stay unloaded: they took 42-50 registers, and fp32 8192x4096 83.2 us against 69.0.
+constexpr int kTwoVecThreads = 256;
+constexpr int kTwoVecRowsPerSm = 64;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kTwoVecMinBlocks = 4;  // 1024 threads per SM
+#else
+constexpr int kTwoVecMinBlocks = 6;
 #endif
 
 // What an instantiation fuses around the norm (unused operands compile away):
@@ -66,13 +82,20 @@ struct NormParams {
   bool cast_before_weight;
 };
 
-// CACHED vectors a thread stay in registers; with one (the residual variants' launch above,
-// see kOneVecThreads), the row has at most threads_per_row vectors and nothing is re-read.
-// A minimum of 0 blocks is none: an explicit 1 took the four-vector kernels from 76-78 to
-// 80-84 registers on sm_90 (gated_residual_adaln [2,2688,2048] 31.4 -> 35.8 us).
+// CACHED vectors a thread stay in registers; with one or two (the launches of
+// kOneVecThreads and kTwoVecThreads above), the row has at most CACHED * threads_per_row
+// vectors and nothing is re-read. A minimum of 0 blocks is none: an explicit 1 took the
+// four-vector residual kernels from 76-78 to 80-84 registers on sm_90 (gated_residual_adaln
+// [2,2688,2048] 31.4 -> 35.8 us).
+constexpr int bound_threads(int cached, bool residual, bool modulate) {
+  return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
+}
+constexpr int bound_min_blocks(int cached) {
+  return cached == 1 ? kOneVecMinBlocks : cached == 2 ? kTwoVecMinBlocks : 0;
+}
+
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
-__global__ void __launch_bounds__(CACHED == 1 ? kOneVecThreads : max_block(RESIDUAL, MODULATE),
-                                  CACHED == 1 ? kOneVecMinBlocks : 0)
+__global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bound_min_blocks(CACHED))
     norm_kernel(const NormParams<T, W, O> p, int threads_per_row) {
   __shared__ float scratch[32];
   const int rows_per_block = blockDim.x / threads_per_row;
@@ -110,32 +133,43 @@ __global__ void __launch_bounds__(CACHED == 1 ? kOneVecThreads : max_block(RESID
     return v;
   };
   auto sum_of = [](const Vec<T, VEC>& v, float shift, bool square) {
+    float f[VEC];
+    to_floats(v, f);
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float f = to_float(v.v[j]) - shift;
-      s += square ? f * f : f;
+      f[j] -= shift;
+      s += square ? f[j] * f[j] : f[j];
     }
     return s;
   };
 
   Vec<T, VEC> cached[CACHED];
-  constexpr bool kReread = CACHED > 1;
+  constexpr bool kReread = CACHED == kCachedVecs;  // the one- and two-vector launches cover the row
   // AdaLN takes no weight (launch asserts it): without the weight's registers the AdaLN
-  // kernel of four vectors a thread holds 62-63 registers, not 69-72 (sm_90; H200, bf16,
+  // kernel of four vectors a thread held 62-63 registers, not 69-72 (sm_90; H200, bf16,
   // bench_ops runs before and after: adaln rms [2,21504,2048] 103.0 -> 91.6 us, layer
   // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
   constexpr bool kWeighted = !MODULATE;
-  // One vector a thread: its write operands load with it, so that their latency overlaps
-  // the row's rather than following the reduction.
-  constexpr bool kPreload = CACHED == 1;
-  Vec<W, VEC> pre_w;
-  Vec<T, VEC> pre_scale, pre_shift;
-  if (kPreload && active && t < nvec) {
-    if (kWeighted && p.weight != nullptr) pre_w = load_vec<W, VEC>(p.weight, t);
-    if constexpr (MODULATE) {
-      pre_scale = load_vec<T, VEC>(p.scale + batch * p.scale_batch + token * p.scale_token, t);
-      pre_shift = load_vec<T, VEC>(p.shift + batch * p.shift_batch + token * p.shift_token, t);
+  // One vector a thread, or two with a 16-bit weight: the write operands of the cached
+  // vectors load with them, so that their latency overlaps the row's rather than following
+  // the reduction.
+  constexpr bool kPreload = CACHED == 1 || (CACHED == 2 && kWeighted && sizeof(W) == 2);
+  constexpr int kPre = kPreload ? CACHED : 1;
+  Vec<W, VEC> pre_w[kPre];
+  Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
+  const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
+  const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
+  if constexpr (kPreload) {
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (!active || i >= nvec) continue;
+      if (kWeighted && p.weight != nullptr) pre_w[k] = load_vec<W, VEC>(p.weight, i);
+      if constexpr (MODULATE) {
+        pre_scale[k] = load_vec<T, VEC>(scale, i);
+        pre_shift[k] = load_vec<T, VEC>(shift, i);
+      }
     }
   }
   // LayerNorm takes the mean first and then the centred square sum (as PyTorch, no
@@ -176,13 +210,12 @@ __global__ void __launch_bounds__(CACHED == 1 ? kOneVecThreads : max_block(RESID
     if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
 
     O* y_row = p.out + r * p.out_stride;
-    const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
-    const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
-    auto write = [&](const Vec<T, VEC>& v, int i) {
+    // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
+    auto write = [&](const Vec<T, VEC>& v, int i, int k) {
       Vec<W, VEC> w;
       Vec<T, VEC> sc, sh;
-      if constexpr (kPreload) {
-        w = pre_w, sc = pre_scale, sh = pre_shift;
+      if (kPreload && k >= 0) {
+        w = pre_w[k], sc = pre_scale[k], sh = pre_shift[k];
       } else {
         if (kWeighted && p.weight != nullptr) w = load_vec<W, VEC>(p.weight, i);
         if constexpr (MODULATE) {
@@ -190,24 +223,26 @@ __global__ void __launch_bounds__(CACHED == 1 ? kOneVecThreads : max_block(RESID
           sh = load_vec<T, VEC>(shift, i);
         }
       }
-      Vec<O, VEC> y;
+      float f[VEC], wf[VEC], scf[VEC], shf[VEC];
+      to_floats(v, f);
+      if (kWeighted && p.weight != nullptr) to_floats(w, wf);
+      if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        float f = (to_float(v.v[j]) - mean) * rstd;
-        if (p.cast_before_weight) f = to_float(from_float<T>(f));
-        if (kWeighted && p.weight != nullptr) f *= p.weight_offset + to_float(w.v[j]);
-        if constexpr (MODULATE) f = f * (1.f + to_float(sc.v[j])) + to_float(sh.v[j]);
-        y.v[j] = from_float<O>(f);
+        f[j] = (f[j] - mean) * rstd;
+        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
+        if (kWeighted && p.weight != nullptr) f[j] *= p.weight_offset + wf[j];
+        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
       }
-      store_vec<O, VEC>(y_row, i, y);
+      store_vec<O, VEC>(y_row, i, from_floats<O>(f));
     };
 #pragma unroll
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
-      if (i < nvec) write(cached[k], i);
+      if (i < nvec) write(cached[k], i, k);
     }
     for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
-      write(load_vec<T, VEC>(reread, i), i);
+      write(load_vec<T, VEC>(reread, i), i, -1);
     }
   }
 }
@@ -256,11 +291,14 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const bool many_rows = two_rows_per_sm(a.rows, a.device.index());
   const bool one_vec = RESIDUAL && vector && many_rows && nvec <= kOneVecThreads &&
                        (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sm_count(a.device.index()));
-  // Fewer rows than two per SM (decode-size batches) are latency-bound: one vector per
-  // thread spreads each row over more threads (128x4096 bf16: 3.3 us where four vectors
-  // per thread took 4.3 us on the H200; large batches want four: 36 us against 70 us).
-  const int per_thread = many_rows && !one_vec ? kCachedVecs : 1;
-  const RowLaunch cfg = row_launch(nvec, per_thread, one_vec ? kOneVecThreads : max_block(RESIDUAL, MODULATE));
+  const bool two_vec = !RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
+                       a.rows < kTwoVecRowsPerSm * sm_count(a.device.index());
+  // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
+  // vector per thread spreads each row over more threads (128x8192 bf16 takes 1024-thread
+  // rows; large batches want four: 36 us against 70 us at 8192x4096).
+  const int per_thread = one_vec || (!many_rows && !two_vec) ? 1 : two_vec ? 2 : kCachedVecs;
+  const int max_threads = one_vec ? kOneVecThreads : two_vec ? kTwoVecThreads : max_block(RESIDUAL, MODULATE);
+  const RowLaunch cfg = row_launch(nvec, per_thread, max_threads);
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
@@ -271,6 +309,8 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   };
   if constexpr (RESIDUAL) {
     if (one_vec) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
+  } else {
+    if (two_vec) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
   }
   if (vector) {
     run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE>);

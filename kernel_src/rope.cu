@@ -283,8 +283,10 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
     const int i = t + k * threads_per_row;
     if (active && i < nvec) {
       cached[k] = load_n<T, VEC, ALIGNED>(x + i * VEC);
+      float f[VEC];
+      to_floats(cached[k], f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) sum_sq += to_float(cached[k].v[j]) * to_float(cached[k].v[j]);
+      for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
     }
   }
   sum_sq = row_sum(sum_sq, threads_per_row, scratch);
@@ -297,15 +299,19 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
     const Vec<T, VEC> wv = load_n<T, VEC, ALIGNED>(w + i * VEC);
     const Vec<C, VEC> c = load_n<C, VEC, ALIGNED>(cos + i * VEC);
     const Vec<C, VEC> sn = load_n<C, VEC, ALIGNED>(sin + i * VEC);
-    Vec<T, VEC> out;
+    float xf[VEC], wf[VEC], cf[VEC], sf[VEC], out[VEC];
+    to_floats(cached[k], xf);
+    to_floats(wv, wf);
+    to_floats(c, cf);
+    to_floats(sn, sf);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) xf[j] = to_float(from_float<T>(xf[j] * rstd * wf[j]));  // the norm's output
 #pragma unroll
     for (int j = 0; j < VEC; j += 2) {
-      const float a = to_float(from_float<T>(to_float(cached[k].v[j]) * rstd * to_float(wv.v[j])));
-      const float e = to_float(from_float<T>(to_float(cached[k].v[j + 1]) * rstd * to_float(wv.v[j + 1])));
-      out.v[j] = from_float<T>(a * to_float(c.v[j]) - e * to_float(sn.v[j]));
-      out.v[j + 1] = from_float<T>(e * to_float(c.v[j + 1]) + a * to_float(sn.v[j + 1]));
+      out[j] = xf[j] * cf[j] - xf[j + 1] * sf[j];
+      out[j + 1] = xf[j + 1] * cf[j + 1] + xf[j] * sf[j + 1];
     }
-    store_n<T, VEC, ALIGNED>(y + i * VEC, out);
+    store_n<T, VEC, ALIGNED>(y + i * VEC, from_floats<T>(out));
   }
 }
 
