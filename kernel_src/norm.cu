@@ -288,17 +288,22 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const bool vector = vectorizable<T, W, O, V>(a);
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
+  const int64_t sms = sm_count(a.device.index());
   const bool many_rows = two_rows_per_sm(a.rows, a.device.index());
-  const bool one_vec = RESIDUAL && vector && many_rows && nvec <= kOneVecThreads &&
-                       (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sm_count(a.device.index()));
-  const bool two_vec = !RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
-                       a.rows < kTwoVecRowsPerSm * sm_count(a.device.index());
+  // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).
+  int cached = kCachedVecs;
+  if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads &&
+      (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sms)) {
+    cached = 1;
+  } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads && a.rows < kTwoVecRowsPerSm * sms) {
+    cached = 2;
+  }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
-  // vector per thread spreads each row over more threads (128x8192 bf16 takes 1024-thread
-  // rows; large batches want four: 36 us against 70 us at 8192x4096).
-  const int per_thread = one_vec || (!many_rows && !two_vec) ? 1 : two_vec ? 2 : kCachedVecs;
-  const int max_threads = one_vec ? kOneVecThreads : two_vec ? kTwoVecThreads : max_block(RESIDUAL, MODULATE);
-  const RowLaunch cfg = row_launch(nvec, per_thread, max_threads);
+  // vector per thread of the four-vector kernel spreads each row over more threads
+  // (128x8192 bf16 takes 1024-thread rows; large batches want four: 36 us against 70 us
+  // at 8192x4096).
+  const int per_thread = cached == kCachedVecs && !many_rows ? 1 : cached;
+  const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE));
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
@@ -308,9 +313,9 @@ void launch(const NormArgs& a, cudaStream_t stream) {
     check_launch();
   };
   if constexpr (RESIDUAL) {
-    if (one_vec) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
+    if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
   } else {
-    if (two_vec) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
+    if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
   }
   if (vector) {
     run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE>);
