@@ -241,7 +241,20 @@ SHARING_OPS = ["rms_norm", "rms_norm_fp32_out", "adaln_rms", "adaln_layer", "ada
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grads_of_rows_sharing_a_block(kernel, device, op, path, dtype):
     wide = dtype != torch.float32 and op != "rms_norm_fp32_out"
-    cols = 509 if path == "scalar" else 2048 if wide else 1024
+    _check_grads_of_rows(kernel, device, op, dtype, 509 if path == "scalar" else 2048 if wide else 1024)
+
+
+# Rows on 128 CUDA threads with one column grad (4096 16-bit or 2048 fp32 columns, 2048
+# when a 16-bit input gets fp32 grads) pair up in a block; 301 rows per batch entry leave
+# the last pair half-empty.
+@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_fp32_out", "gated_residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grads_of_128_thread_rows_sharing_a_block(kernel, device, op, dtype):
+    wide = dtype != torch.float32 and op != "rms_norm_fp32_out"
+    _check_grads_of_rows(kernel, device, op, dtype, 4096 if wide else 2048)
+
+
+def _check_grads_of_rows(kernel, device, op, dtype, cols):
     (x,) = _leaves(device, dtype, (2, 301, cols))
     per_batch = (2, 1, cols)
     if op == "rms_norm":
