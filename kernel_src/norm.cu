@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
   // bench_ops runs before and after: adaln rms [2,21504,2048] 103.0 -> 91.6 us, layer
   // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
   constexpr bool kWeighted = !MODULATE;
+  const bool weighted = kWeighted && p.weight != nullptr;
   // One vector a thread, or two with a 16-bit weight: the write operands of the cached
   // vectors load with them, so that their latency overlaps the row's rather than following
   // the reduction.
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
       if (!active || i >= nvec) continue;
-      if (kWeighted && p.weight != nullptr) pre_w[k] = load_vec<W, VEC>(p.weight, i);
+      if (weighted) pre_w[k] = load_vec<W, VEC>(p.weight, i);
       if constexpr (MODULATE) {
         pre_scale[k] = load_vec<T, VEC>(scale, i);
         pre_shift[k] = load_vec<T, VEC>(shift, i);
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
       if (kPreload && k >= 0) {
         w = pre_w[k], sc = pre_scale[k], sh = pre_shift[k];
       } else {
-        if (kWeighted && p.weight != nullptr) w = load_vec<W, VEC>(p.weight, i);
+        if (weighted) w = load_vec<W, VEC>(p.weight, i);
         if constexpr (MODULATE) {
           sc = load_vec<T, VEC>(scale, i);
           sh = load_vec<T, VEC>(shift, i);
@@ -225,13 +226,13 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
       }
       float f[VEC], wf[VEC], scf[VEC], shf[VEC];
       to_floats(v, f);
-      if (kWeighted && p.weight != nullptr) to_floats(w, wf);
+      if (weighted) to_floats(w, wf);
       if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         f[j] = (f[j] - mean) * rstd;
         if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
-        if (kWeighted && p.weight != nullptr) f[j] *= p.weight_offset + wf[j];
+        if (weighted) f[j] *= p.weight_offset + wf[j];
         if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
       }
       store_vec<O, VEC>(y_row, i, from_floats<O>(f));
@@ -355,6 +356,13 @@ __host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int
 constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
+// AdaLN's backward kernels load their first row before the scale on sm_90: compiled for
+// sm_75 or sm_80, three of them then spill at the 128-register bound.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kBwdModulatedFirstRowEarly = false;
+#else
+constexpr bool kBwdModulatedFirstRowEarly = true;
+#endif
 // Values one row reduction of the backward sums at most (LayerNorm's).
 constexpr int kBwdRowSums = 3;
 // Column grads summed in shared memory: the weight's or scale's, AdaLN's shift, and
@@ -464,6 +472,19 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   constexpr int kElems = kVecs * VEC;
   constexpr int kThreadFloats = bwd_thread_floats(VEC, sizeof(G), kAccs);
   auto slots = [&](int which) { return column_acc + threadIdx.x * kThreadFloats + which * kElems; };
+  // The VEC slots at s (16-byte aligned where VEC is a multiple of 4).
+  auto read_slots = [](const float* s, float (&v)[VEC]) {
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) {
+        const float4 a = reinterpret_cast<const float4*>(s)[q];
+        v[4 * q] = a.x, v[4 * q + 1] = a.y, v[4 * q + 2] = a.z, v[4 * q + 3] = a.w;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[j] = s[j];
+    }
+  };
   // Adds v into the slots of vector k.
   auto add_slots = [&](int which, int k, const float (&v)[VEC]) {
     float* s = slots(which) + k * VEC;
@@ -521,6 +542,28 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       if (i < nvec) load_factor(scale_row, i, own_factor[k]);
     }
   };
+  // The block's slice of its current row. Unconditional loads (no branch per vector): an
+  // inactive row reads the group's first row and vectors past the row end read its last
+  // vector; neither is used.
+  Vec<T, VEC> xs[kVecs];
+  Vec<G, VEC> dys[kVecs];
+  auto load_slice = [&](int64_t token) {
+    const int64_t r = group_first + token;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = min(vec_index(slice, k), nvec - 1);
+      xs[k] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
+      dys[k] = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
+    }
+  };
+  // The first row's loads go out before the factor's, whose conversion would hold them back
+  // (H200, bf16, same run: rms_norm backward 8192x4096 61.5 -> 60.9 us, 2048x4096 24.3 ->
+  // 23.0, 128x4096 8.6 -> 8.2, adaln rms [2,2688,2048] 29.0 -> 27.9). Not in the gated
+  // kernels (gated_residual_adaln's), which it slowed: rms [2,21504,2048] 298.7 -> 346.1 us,
+  // layer 319.6 -> 356.6, rms [2,2688,2048] 51.6 -> 56.6 (another run).
+  constexpr bool kFirstRowEarly = !GATED && (!MODULATE || kBwdModulatedFirstRowEarly);
+  const int64_t first_base = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  if (kFirstRowEarly) load_slice(first_base + row_in_block < p.group_rows ? first_base + row_in_block : 0);
   if (!factor_per_row) load_own_factor(0);
 
   // Sums over the row: its threads, then (clustered) the blocks of its other slices.
@@ -531,26 +574,16 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     if (clustered) add_cluster_sums(sums, cluster_sums[cluster_round++ % 2], p.cluster_blocks);
   };
 
-  // The block's slice of its current row.
-  Vec<T, VEC> xs[kVecs];
-  Vec<G, VEC> dys[kVecs];
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * rows_per_block;
 
   // Trip count uniform over the block: every thread joins every row reduction.
-  for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block; base < p.group_rows; base += row_step) {
+  for (int64_t base = first_base; base < p.group_rows; base += row_step) {
     const bool active = base + row_in_block < p.group_rows;
     const int64_t token = active ? base + row_in_block : 0;  // the row within the group
     const int64_t r = group_first + token;
     const T* x = p.input + r * p.input_stride;
     const G* dy = p.grad_out + r * p.grad_out_stride;
-    // Unconditional loads (no branch per vector): an inactive row reads the group's first
-    // row and vectors past the row end read its last vector; neither is used.
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int i = min(vec_index(slice, k), nvec - 1);
-      xs[k] = load_vec<T, VEC>(x, i);
-      dys[k] = load_vec<G, VEC>(dy, i);
-    }
+    if (!kFirstRowEarly || base != first_base) load_slice(token);
     if (factor_per_row && active) load_own_factor(token);
     const T* scale_row = scale_row_of(factor_per_row ? token : 0);
     // Rows of more than a warp wait at the barriers of their row sums with no loads in
@@ -737,22 +770,35 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 
   // No block of the cluster may leave while another may still read its row sums.
   if (clustered) cluster_barrier();
-  // This block's partial column sums: over its rows_per_block rows (in order), then out.
   if (!accumulate) return;
+  // This block's partial column sums, one row per column grad. Thread t of row rr takes its
+  // vectors rr, rr + rows_per_block, ..., adds each over the block's rows in order and
+  // stores it as one vector, where a loop of a column per thread took a division per
+  // column and a 4-byte store (H200, bf16, same run, with the first row's threads taking
+  // every vector: rms_norm backward 8192x4096 64.5 -> 60.9 us, 128x4096 10.7 -> 8.2,
+  // 2048x4096 26.3 -> 23.0, adaln rms [2,2688,2048] 31.1 -> 27.9; spread over the rows as
+  // here, another run: adaln rms [2,21504,2048] 146.6 -> 139.0, rms 648720x128 131.3 ->
+  // 128.1, where a block holds four or 32 rows).
   __syncthreads();
+  float* const partials[3] = {p.factor_partial, p.shift_partial, p.gate_partial};
   const int64_t partial_row = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * p.cols;
-  const int first_col = slice * slice_cols;
+  for (int k = row_in_block; k < kVecs; k += rows_per_block) {
+    const int i = vec_index(slice, k);
+    if (i >= nvec) continue;
 #pragma unroll
-  for (int which = 0; which < kAccs; ++which) {
-    float* partial = which == 0 ? p.factor_partial : which == 1 ? p.shift_partial : p.gate_partial;
-    if (partial == nullptr) continue;
-    for (int c = threadIdx.x; c < slice_cols && first_col + c < p.cols; c += blockDim.x) {
-      // Column c of the slice is element j of vector k of thread t (see vec_index).
-      const int k = c / (threads_per_row * VEC), in_k = c - k * threads_per_row * VEC;
-      const int offset = (in_k / VEC) * kThreadFloats + which * kElems + k * VEC + in_k % VEC;
-      float sum = 0.f;
-      for (int rr = 0; rr < rows_per_block; ++rr) sum += column_acc[offset + rr * threads_per_row * kThreadFloats];
-      partial[partial_row + first_col + c] = sum;
+    for (int which = 0; which < kAccs; ++which) {
+      if (partials[which] == nullptr) continue;
+      // Vector k of thread t of each row.
+      const float* own = column_acc + t * kThreadFloats + which * kElems + k * VEC;
+      Vec<float, VEC> sum;
+      read_slots(own, sum.v);
+      for (int rr = 1; rr < rows_per_block; ++rr) {
+        float other[VEC];
+        read_slots(own + rr * threads_per_row * kThreadFloats, other);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum.v[j] += other[j];
+      }
+      store_vec<float, VEC>(partials[which] + partial_row, i, sum);
     }
   }
 }
@@ -849,17 +895,18 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   // bf16, same run: adaln rms [2,2688,2048] 44.7 -> 36.1 us, [2,21504,2048] 165 -> 159 us,
   // the gated residual's [2,21504,2048] 151 -> 144 us; adaln layer [2,21504,2048], whose
   // rows then wait for each other at two barriers per row, 195 -> 196 us. Rows without
-  // sums are not helped. Rows of 128 threads with one column grad (RMSNorm's weight, the
-  // gated residual's gate; D = 4096 in 16 bits) pair up in 256-thread blocks, as many
-  // threads per SM: rms_norm backward 8192x4096 66.4 -> 64.3 us, 4096x4096 42.4 -> 40.2,
-  // 2048x4096 30.0 -> 27.3, 128x4096 13.3 -> 11.5, 32768x4096 210.4 -> 208.2 (same run).
-  // AdaLN's 128-thread rows (two or three column grads) were not measured so: a row a block.
+  // sums are not helped. Rows of 128 threads with one or two column grads (D = 4096 in 16
+  // bits) pair up in 256-thread blocks, as many threads per SM: rms_norm backward
+  // 8192x4096 66.4 -> 64.3 us, 4096x4096 42.4 -> 40.2, 2048x4096 30.0 -> 27.3, 128x4096
+  // 13.3 -> 11.5, 32768x4096 210.4 -> 208.2 (same run); adaln rms [2,2688,4096] 49.6 ->
+  // 46.3 us, layer 50.0 -> 46.6 (another run). Not with three (gated_residual_adaln's
+  // 128-thread rows at D = 2048): rms [2,21504,2048] 306.2 -> 317.5 us, layer 322.1 -> 332.7.
   auto blocks_per_sm = [&](int threads) {
     return max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, threads, threads * thread_shared);
   };
   int block = cfg.block;
   const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32 + 2]);
-  const int shared_row_threads = accs == 1 ? 128 : 64;
+  const int shared_row_threads = accs == 3 ? 64 : 128;
   while (sums && slices == 1 && cfg.threads_per_row <= shared_row_threads && block < 4 * cfg.threads_per_row &&
          2 * block <= kBwdMaxBlock && 2 * block * thread_shared <= shared_room &&
          2 * blocks_per_sm(2 * block) >= blocks_per_sm(block)) {
