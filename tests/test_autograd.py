@@ -244,10 +244,11 @@ def test_grads_of_rows_sharing_a_block(kernel, device, op, path, dtype):
     _check_grads_of_rows(kernel, device, op, dtype, 509 if path == "scalar" else 2048 if wide else 1024)
 
 
-# Rows on 128 CUDA threads with one column grad (4096 16-bit or 2048 fp32 columns, 2048
-# when a 16-bit input gets fp32 grads) pair up in a block; 301 rows per batch entry leave
-# the last pair half-empty.
-@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_fp32_out", "gated_residual"])
+# Rows on 128 CUDA threads with one or two column grads (4096 16-bit or 2048 fp32 columns,
+# 2048 when a 16-bit input gets fp32 grads) pair up in a block; 301 rows per batch entry
+# leave the last pair half-empty.
+@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_fp32_out", "gated_residual", "adaln_rms", "adaln_layer",
+                                "adaln_per_token_scale"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grads_of_128_thread_rows_sharing_a_block(kernel, device, op, dtype):
     wide = dtype != torch.float32 and op != "rms_norm_fp32_out"
