@@ -356,8 +356,8 @@ __host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int
 constexpr int kBwdMaxBlock = 256;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
-// AdaLN's backward kernels load their first row before the scale on sm_90: compiled for
-// sm_75 or sm_80, three of them then spill at the 128-register bound.
+// AdaLN's backward kernels load their first row before the scale on sm_90 only: compiled
+// for sm_75 or sm_80, two or three of them then spill at the 128-register bound.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr bool kBwdModulatedFirstRowEarly = false;
 #else
