@@ -563,7 +563,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // layer 319.6 -> 356.6, rms [2,2688,2048] 51.6 -> 56.6 (another run).
   constexpr bool kFirstRowEarly = !GATED && (!MODULATE || kBwdModulatedFirstRowEarly);
   const int64_t first_base = static_cast<int64_t>(blockIdx.y) * rows_per_block;
-  if (kFirstRowEarly) load_slice(first_base + row_in_block < p.group_rows ? first_base + row_in_block : 0);
+  // The row within the group of this thread at walk step base (an inactive row: the first).
+  auto token_at = [&](int64_t base) { return base + row_in_block < p.group_rows ? base + row_in_block : 0; };
+  if (kFirstRowEarly) load_slice(token_at(first_base));
   if (!factor_per_row) load_own_factor(0);
 
   // Sums over the row: its threads, then (clustered) the blocks of its other slices.
@@ -579,7 +581,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // Trip count uniform over the block: every thread joins every row reduction.
   for (int64_t base = first_base; base < p.group_rows; base += row_step) {
     const bool active = base + row_in_block < p.group_rows;
-    const int64_t token = active ? base + row_in_block : 0;  // the row within the group
+    const int64_t token = token_at(base);
     const int64_t r = group_first + token;
     const T* x = p.input + r * p.input_stride;
     const G* dy = p.grad_out + r * p.grad_out_stride;
