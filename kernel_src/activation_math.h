@@ -31,7 +31,7 @@ constexpr float kHalfLog2e = 0.72134752044448170f;  // log2(e) / 2: e^(-x^2/2) =
 // erff evaluates its two pieces' polynomials behind a select per coefficient, and left the
 // erf GELU kernels compute-bound on the H200 (geglu [8192, 2x5120] 70.6 us, the tanh form
 // 60.8 us). Relative error in fp32: under 5e-7 for x > -1, 3e-6 down to x = -6 (1 + erff
-// loses it to cancellation there: 5e-4 at x = -4). Past |x| = 6, Q stays at Q(6) while
+// loses it to cancellation there: 5e-4 near x = -4). Past |x| = 6, Q stays at Q(6) while
 // the t^2 term still takes Phi(-t) to 0.
 LTX_HOST_DEVICE float normal_cdf(float x) {
   constexpr float kQ[] = {-9.999996424e-01f, -1.151119351e+00f, 2.622302771e-01f,  -5.271166191e-02f,
