@@ -12,6 +12,16 @@ namespace {
 
 constexpr int kUnitThreads = 256;  // threads across one head's channels
 constexpr int kMaxBlock = 512;  // fp32 tables of rotate-half need more than 64 registers
+// The whole-groups kernel (see rope_kernel) fits 56 registers at blocks of up to 192
+// threads: seven 160-thread blocks (a token of 32 + 8 heads) per SM, where 58-61 registers
+// held six.
+constexpr int kWholeGroupsBlock = 192;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kWholeGroupsMinBlocks = 5;  // sm_75 holds 1024 threads per SM
+#else
+constexpr int kWholeGroupsMinBlocks = 6;
+#endif
+constexpr int max_block(bool whole_groups) { return whole_groups ? kWholeGroupsBlock : kMaxBlock; }
 
 template <typename T>
 struct RopeRows {
@@ -55,6 +65,16 @@ struct TokenRows {
 
   __device__ const T* in(int64_t h) const { return h < q_heads ? q_in + h * q_in_h : k_in + (h - q_heads) * k_in_h; }
   __device__ T* out(int64_t h) const { return h < q_heads ? q_out + h * q_out_h : k_out + (h - q_heads) * k_out_h; }
+
+  // Heads h0, h0 + 1, ... of one tensor: its rows from h0's on, a head stride apart.
+  struct Group {
+    const T* in;
+    T* out;
+    int64_t in_h, out_h;
+  };
+  __device__ Group group(int64_t h0) const {
+    return h0 < q_heads ? Group{in(h0), out(h0), q_in_h, q_out_h} : Group{in(h0), out(h0), k_in_h, k_out_h};
+  }
 };
 
 // The fp32 cos/sin of one unit of N channels, converted once and applied to every head
@@ -117,8 +137,11 @@ struct UnitTables {
 // groups of HEADS heads (q's, then k's). A thread issues its first heads' loads before
 // the tables' (which every head row of the block shares, so they mostly hit L1/L2), so
 // DRAM latency is paid once; it converts the tables once for all the heads it rotates.
-template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED, int HEADS>
-__global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> p) {
+// WHOLE_GROUPS: q's and k's head counts are multiples of HEADS, so a thread's heads lie in
+// one tensor, a head stride apart, and none is missing: no per-head select or test.
+template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED, int HEADS, bool WHOLE_GROUPS>
+__global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWholeGroupsMinBlocks : 0)
+    rope_kernel(const RopeParams<T, C> p) {
   const int64_t b = blockIdx.x / p.seq;
   const int64_t s = blockIdx.x - b * p.seq;
   const C* cos = p.cos + b * p.table_b + s * p.table_s;
@@ -133,21 +156,24 @@ __global__ void __launch_bounds__(kMaxBlock) rope_kernel(const RopeParams<T, C> 
     const int i = u * N;
     UnitTables<N, INTERLEAVED> tables;
     for (int h0 = threadIdx.y * HEADS; h0 < heads; h0 += blockDim.y * HEADS) {
+      const auto group = rows.group(h0);  // used only with WHOLE_GROUPS
+      auto row_in = [&](int j) { return WHOLE_GROUPS ? group.in + j * group.in_h : rows.in(h0 + j); };
+      auto row_out = [&](int j) { return WHOLE_GROUPS ? group.out + j * group.out_h : rows.out(h0 + j); };
       Vec<T, N> x1[HEADS], x2[HEADS];
 #pragma unroll
       for (int j = 0; j < HEADS; ++j) {
-        if (h0 + j >= heads) continue;
-        const T* in = rows.in(h0 + j);
+        if (!WHOLE_GROUPS && h0 + j >= heads) continue;
+        const T* in = row_in(j);
         x1[j] = load_n<T, N, ALIGNED>(in + i);
         if constexpr (!INTERLEAVED) x2[j] = load_n<T, N, ALIGNED>(in + i + second);
       }
       if (h0 == threadIdx.y * HEADS) tables.template load<C, ALIGNED>(cos, sin, i, second, p.inverse);
 #pragma unroll
       for (int j = 0; j < HEADS; ++j) {
-        if (h0 + j >= heads) continue;
+        if (!WHOLE_GROUPS && h0 + j >= heads) continue;
         Vec<T, N> y1, y2;
         tables.rotate(x1[j], x2[j], y1, y2);
-        T* out = rows.out(h0 + j);
+        T* out = row_out(j);
         store_n<T, N, ALIGNED>(out + i, y1);
         if constexpr (!INTERLEAVED) store_n<T, N, ALIGNED>(out + i + second, y2);
       }
@@ -186,22 +212,22 @@ bool vectorizable(const RopeArgs& a) {
   return ok;
 }
 
-template <typename T, typename C, bool INTERLEAVED, int N, int HEADS>
+template <typename T, typename C, bool INTERLEAVED, int N, int HEADS, bool WHOLE_GROUPS = false>
 void launch_with(const RopeArgs& a, cudaStream_t stream) {
   // Threads over the units of a head first, then one row of threads per HEADS heads (up
-  // to 512 threads).
+  // to the kernel's block bound).
   const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / N;
   int tx = 1;
-  while (tx < units && tx < kUnitThreads) tx *= 2;
+  while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
-  const int ty = static_cast<int>(std::min<int64_t>((heads + HEADS - 1) / HEADS, kMaxBlock / tx));
+  const int ty = static_cast<int>(std::min<int64_t>((heads + HEADS - 1) / HEADS, max_block(WHOLE_GROUPS) / tx));
   const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
                            a.table_b, a.table_s, a.seq, static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim),
                            a.inverse};
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
   constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
-  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS><<<blocks, dim3(tx, ty), 0, stream>>>(p);
+  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<blocks, dim3(tx, ty), 0, stream>>>(p);
   check_launch();
 }
 
@@ -224,7 +250,13 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     constexpr int kHalfVec = V / 2;
     if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
     const bool many_tokens = two_rows_per_sm(a.batch * a.seq, a.device.index());
-    if (many_tokens || !vectorizable<T, C, V>(a)) return launch_with<T, C, false, kHalfVec, 4>(a, stream);
+    if (many_tokens || !vectorizable<T, C, V>(a)) {
+      // Head counts that are multiples of four (Llama, Qwen, Mistral) take whole groups:
+      // 3-4% faster (q[1,32,8192,128] 46.9 -> 45.2 us, its backward 46.8 -> 44.8 us).
+      const bool whole_groups = a.q.heads % 4 == 0 && a.k.heads % 4 == 0;
+      return whole_groups ? launch_with<T, C, false, kHalfVec, 4, true>(a, stream)
+                          : launch_with<T, C, false, kHalfVec, 4>(a, stream);
+    }
     return launch_with<T, C, false, V, 1>(a, stream);
   }
 }

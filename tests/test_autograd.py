@@ -367,12 +367,14 @@ def test_gated_residual_grad_of_input_ignores_its_value(kernel, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial-rotary"])
 @pytest.mark.parametrize("seq", [6, 300], ids=["few-tokens", "many-tokens"])
-def test_rope_rotate_half_grads(kernel, device, dtype, partial, seq):
+@pytest.mark.parametrize("q_heads, k_heads", [(4, 2), (8, 4)], ids=["partial-group", "whole-groups"])
+def test_rope_rotate_half_grads(kernel, device, dtype, partial, seq, q_heads, k_heads):
     """GQA q/k as transposed views of [B, S, H, D]; tables [S, R] with distinct halves (the
     backward must pair sines as the transpose does, not merely negate them). 600 tokens
-    take the CUDA path of four heads per thread."""
-    qs, ks = (torch.randn(2, seq, 4, 32, device=device, dtype=dtype),
-              torch.randn(2, seq, 2, 32, device=device, dtype=dtype))
+    take the CUDA path of four heads per thread (head counts that are multiples of four:
+    its whole-groups kernel)."""
+    qs, ks = (torch.randn(2, seq, q_heads, 32, device=device, dtype=dtype),
+              torch.randn(2, seq, k_heads, 32, device=device, dtype=dtype))
     q, k = qs.transpose(1, 2).requires_grad_(), ks.transpose(1, 2).requires_grad_()
     r = 16 if partial else 32
     cos, sin = torch.randn(seq, r, device=device), torch.randn(seq, r, device=device)

@@ -45,9 +45,11 @@ def interleaved_ref(x, cos, sin):
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 32, 8, 64, 128, 128), (2, 4, 4, 33, 64, 64), (2, 8, 2, 17, 128, 64), (1, 2, 1, 5, 80, 80), (3, 3, 1, 7, 6, 4),
     # 600+ tokens (>= 2 per SM) take CUDA's path of four heads per thread: 9 heads leave a
-    # partial group of four.
-    (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96),
-], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_partial"])
+    # partial group of four; head counts that are multiples of four take its whole-groups
+    # kernel, whose blocks of at most 192 threads take 48 heads of 128 channels a pass.
+    (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96), (1, 8, 4, 640, 128, 128), (1, 48, 8, 600, 128, 128),
+], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_partial", "many_whole_groups",
+        "many_heads_two_passes"])
 def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d, rotary, dtype):
     # Transposed views, as attention modules make them: [B, S, H, D] memory, [B, H, S, D] view.
     q = make((batch, seq, hq, d), dtype, device).transpose(1, 2)
@@ -62,8 +64,8 @@ def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["new", "in_place", "out"])
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
-    (1, 5, 2, 7, 72, 72), (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 64),
-], ids=["few_d72", "many_tokens", "many_d72_partial"])
+    (1, 5, 2, 7, 72, 72), (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 64), (1, 4, 4, 640, 128, 96),
+], ids=["few_d72", "many_tokens", "many_d72_partial", "many_whole_groups_partial"])
 def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, d, rotary, mode, dtype):
     """Random [B, S, R] tables whose halves differ, so a kernel that takes one half's cos
     or sin for the other fails (real tables are cat(f, f): equal halves). R = 72 (R/2 = 36
