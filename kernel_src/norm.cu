@@ -215,9 +215,15 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
     auto write = [&](const Vec<T, VEC>& v, int i, int k) {
       Vec<W, VEC> w;
       Vec<T, VEC> sc, sh;
-      if (kPreload && k >= 0) {
-        w = pre_w[k], sc = pre_scale[k], sh = pre_shift[k];
-      } else {
+      bool preloaded = false;
+      if constexpr (kPreload) {
+        preloaded = k >= 0;
+        if (preloaded) {
+          if constexpr (kWeighted) w = pre_w[k];
+          if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
+        }
+      }
+      if (!preloaded) {
         if (weighted) w = load_vec<W, VEC>(p.weight, i);
         if constexpr (MODULATE) {
           sc = load_vec<T, VEC>(scale, i);
@@ -707,7 +713,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) extras[k] = load_vec<T, VEC>(extra, min(vec_index(slice, k), nvec - 1));
       }
-      Vec<T, VEC> gated_vecs[GATED ? kVecs : 1];
+      [[maybe_unused]] Vec<T, VEC> gated_vecs[GATED ? kVecs : 1];
       if constexpr (GATED) {
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) gated_vecs[k] = load_vec<T, VEC>(gated, min(vec_index(slice, k), nvec - 1));
