@@ -46,7 +46,8 @@ def interleaved_ref(x, cos, sin):
     (1, 32, 8, 64, 128, 128), (2, 4, 4, 33, 64, 64), (2, 8, 2, 17, 128, 64), (1, 2, 1, 5, 80, 80), (3, 3, 1, 7, 6, 4),
     # 600+ tokens (>= 2 per SM) take CUDA's path of four heads per thread: 9 heads leave a
     # partial group of four; head counts that are multiples of four take its whole-groups
-    # kernel, whose blocks of at most 192 threads take 48 heads of 128 channels a pass.
+    # kernel, whose blocks of at most 192 threads take 48 heads of 128 channels a pass (24 in
+    # fp32).
     (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96), (1, 8, 4, 640, 128, 128), (1, 48, 8, 600, 128, 128),
 ], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_partial", "many_whole_groups",
         "many_heads_two_passes"])

@@ -3,7 +3,7 @@
 Phi(-t) = 2^(-log2(e)/2 t^2 + Q(t)) for t >= 0, where Q(t) = log2(erfcx(t / sqrt 2) / 2)
 is smooth and slowly varying (Q(0) = -1, Q ~ -log2(t sqrt(2 pi)) for large t), so a
 polynomial fits it on [0, R] where log2(Phi(-t)) itself, or erf, needs a piecewise one.
-Minimax in the absolute error of Q (the relative error of Phi(-t), times ln 2) by
+Minimax in the absolute error of Q (the relative error of Phi(-t) is ln 2 times it) by
 Lawson's reweighted least squares, in fp64. Prints the coefficients, lowest first.
 
     python tools/fit_normal_cdf.py [--degree 10] [--range 6]
