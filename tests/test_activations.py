@@ -50,7 +50,8 @@ def test_erf_form_keeps_its_relative_error_in_the_negative_tail(kernel, device):
     """Exact GELU's Phi is a fitted polynomial and one exp2 (kernel_src/activation_math.h),
     not 1 + erf(x / sqrt 2), which loses digits to cancellation as x falls (PyTorch's fp32
     gelu: about 5e-4 relative at x = -4). Its fp32 error stays under 4e-6 relative down to
-    x = -6 (3.5e-6 at most on the CPU, every float of [-6, -5] scanned), and the grad's under 1e-6 absolute."""
+    x = -6 (3.5e-6 at most on the CPU, every float of [-6, -5] scanned), and the grad's
+    under 1e-6 absolute."""
     x = torch.linspace(-6, 6, 240001, dtype=torch.float32, device=device).requires_grad_()
     y = kernel.gelu(x, "none")
     y.backward(torch.ones_like(y))
