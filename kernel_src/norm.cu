@@ -50,6 +50,13 @@ constexpr int kOneVecMinBlocks = 5;
 // stay unloaded: they took 42-50 registers, and fp32 8192x4096 83.2 us against 69.0.
 constexpr int kTwoVecThreads = 256;
 constexpr int kTwoVecRowsPerSm = 64;
+// Rows of at most this many vectors (per-head norms: D <= 512 in 16 bits) take two vectors
+// a thread at any batch: a row is then at most one warp, reduced without a barrier, and the
+// two-vector kernel's 40 registers keep more rows per SM in flight than the four-vector
+// kernel's 47. H200, four vectors / two: rms_norm bf16 648720x128 84.9 / 81.7 us,
+// 324360x256 84.4 / 80.6, 162180x512 83.3 / 80.6, fp32 324360x128 84.0 / 81.5; adaln rms
+// [8,40544,128] 50.3 / 46.2, but [8,20272,512] 88.0 / 89.6. Wider rows were not switched.
+constexpr int kTwoVecAnyBatchVecs = 64;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kTwoVecMinBlocks = 4;  // 1024 threads per SM
 #else
@@ -302,7 +309,8 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads &&
       (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sms)) {
     cached = 1;
-  } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads && a.rows < kTwoVecRowsPerSm * sms) {
+  } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
+             (a.rows < kTwoVecRowsPerSm * sms || nvec <= kTwoVecAnyBatchVecs)) {
     cached = 2;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
