@@ -50,13 +50,14 @@ constexpr int kOneVecMinBlocks = 5;
 // stay unloaded: they took 42-50 registers, and fp32 8192x4096 83.2 us against 69.0.
 constexpr int kTwoVecThreads = 256;
 constexpr int kTwoVecRowsPerSm = 64;
-// Rows of at most this many vectors (per-head norms: D <= 512 in 16 bits) take two vectors
-// a thread at any batch: a row is then at most one warp, reduced without a barrier, and the
-// two-vector kernel's 40 registers keep more rows per SM in flight than the four-vector
-// kernel's 47. H200, four vectors / two: rms_norm bf16 648720x128 84.9 / 81.7 us,
-// 324360x256 84.4 / 80.6, 162180x512 83.3 / 80.6, fp32 324360x128 84.0 / 81.5; adaln rms
-// [8,40544,128] 50.3 / 46.2, but [8,20272,512] 88.0 / 89.6. Wider rows were not switched.
-constexpr int kTwoVecAnyBatchVecs = 64;
+// Plain norms' rows of at most 128 vectors (D <= 1024 in 16 bits, 512 in fp32: per-head
+// and small models' norms) take two vectors a thread at any batch: the two-vector kernel's
+// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN's
+// only up to 16 vectors: wider, it lost so. H200, four vectors / two: rms_norm bf16
+// 648720x128 84.9 / 81.7 us, 162180x512 83.3 / 80.6, 81090x1024 84.8 / 81.7, 163840x1024
+// 168.4 / 162.1, fp32 81090x512 84.8 / 82.6; adaln rms [8,40544,128] 50.3 / 46.2 (layer
+// 51.3 / 51.4), [8,20272,512] 88.0-89.1 / 89.6-90.7, layer [8,10136,1024] 94.0 / 107.1.
+constexpr int two_vec_any_batch_vecs(bool modulate) { return modulate ? 16 : 128; }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kTwoVecMinBlocks = 4;  // 1024 threads per SM
 #else
@@ -310,7 +311,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
       (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sms)) {
     cached = 1;
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
-             (a.rows < kTwoVecRowsPerSm * sms || nvec <= kTwoVecAnyBatchVecs)) {
+             (a.rows < kTwoVecRowsPerSm * sms || nvec <= two_vec_any_batch_vecs(MODULATE))) {
     cached = 2;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
