@@ -11,7 +11,8 @@ have the op (each skipped, with the reason, when it is not importable or fails).
 
 Columns: kernel time (CUDA-graph replay, cold L2, median), eager call time (Python calls
 back to back over the same rotated inputs, median), the bytes an op must move, GB/s and %
-of the copy bandwidth measured in the same run (from kernel time), ltx's time over the
+of the copy bandwidth measured in the same run (from kernel time), the time of a copy of
+the same bytes (same protocol) as a share of the row's kernel time, ltx's time over the
 fastest peer's (kernel and eager; <= 1.03 meets issue 4's target), and the max abs error
 against an fp64 evaluation of the eager code. With no output flag (and not --smoke) the
 JSON, PNG and Markdown go to benchmarks/results/<date>-<gpu>-<mode>.*.
@@ -408,10 +409,11 @@ class Runner:
     """Times the cases and keeps the rows: results, skips, and the table lines."""
 
     COLUMNS = ("op", "shape", "impl", "kernel us", "eager us", "MB moved", "GB/s", "% copy BW",
-               "ltx / best peer (kernel)", "ltx / best peer (eager)", "max abs err")
+               "% same-size copy", "ltx / best peer (kernel)", "ltx / best peer (eager)", "max abs err")
 
     def __init__(self, on_cuda: bool, copy_gbs: float):
         self.on_cuda, self.copy_gbs = on_cuda, copy_gbs
+        self.copy_us_by_bytes: Dict[int, float] = {}
         self.rows: List[dict] = []
         self.skipped: List[dict] = []
         self.lines: List[str] = []
@@ -443,6 +445,7 @@ class Runner:
         expected = case.impls["eager"](*to_fp64(sets[0]))
         nbytes = bytes_moved(case, sets[0], expected)
         calls = harness.calls_per_graph(copies, nbytes) if self.on_cuda else 1
+        copy_us = self.same_size_copy_us(nbytes)
         # Every check runs before any timing: a peer that writes into its inputs (Liger's
         # RoPE, in place) while it is timed must not change what the others are checked on.
         errors = {}
@@ -464,8 +467,17 @@ class Runner:
             seconds = kernel_us if kernel_us is not None else eager_us
             gbs = nbytes / seconds / 1e3
             rows.append(dict(op=case.op, shape=case.shape, impl=name, kernel_us=kernel_us, eager_us=eager_us,
-                             bytes=nbytes, gbs=gbs, pct_copy=100 * gbs / self.copy_gbs, max_abs_err=err))
+                             bytes=nbytes, gbs=gbs, pct_copy=100 * gbs / self.copy_gbs,
+                             pct_same_size_copy=None if copy_us is None else 100 * copy_us / seconds,
+                             max_abs_err=err))
         return rows
+
+    def same_size_copy_us(self, nbytes: int) -> Optional[float]:
+        if not self.on_cuda:
+            return None
+        if nbytes not in self.copy_us_by_bytes:
+            self.copy_us_by_bytes[nbytes] = harness.same_size_copy_us(nbytes)
+        return self.copy_us_by_bytes[nbytes]
 
     def time(self, fn: Callable, sets: List[tuple], calls: int) -> Tuple[Optional[float], float]:
         if not self.on_cuda:
@@ -519,7 +531,7 @@ class Runner:
 
         cells = (row["op"], row["shape"], row["impl"], us(row["kernel_us"]), us(row["eager_us"]),
                  f"{row['bytes'] / 1e6:.1f}", f"{row['gbs']:.0f}", f"{row['pct_copy']:.0f}%",
-                 versus("kernel_us"), versus("eager_us"), f"{row['max_abs_err']:.1e}")
+                 "–" if row["pct_same_size_copy"] is None else f"{row['pct_same_size_copy']:.0f}%", versus("kernel_us"), versus("eager_us"), f"{row['max_abs_err']:.1e}")
         return "| " + " | ".join(cells) + " |"
 
 

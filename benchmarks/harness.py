@@ -89,6 +89,20 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / best_us / 1e3
 
 
+def same_size_copy_us(nbytes: int) -> float:
+    """Kernel time of a copy that moves ``nbytes`` (half read, half written) under the same
+    protocol as an op: graph replay, sources rotated past L2, each call its own output. It is
+    the roofline at sizes where launch, ramp-up and tail are a visible share of the time,
+    which the rate of a 4 GB copy hides."""
+    elements = max(1, nbytes // 2 // 2)  # 16-bit elements read (and as many written)
+    sources = [torch.randn(elements, device="cuda").to(torch.bfloat16)
+               for _ in range(copies_for_cold_l2(2 * elements))]
+    calls = calls_per_graph(len(sources), nbytes)
+    # mul by one is PyTorch's vectorized elementwise kernel; a copy_ in a graph becomes a
+    # memcpy node, which runs slower (see copy_bandwidth_gbs)
+    return graph_time_us([lambda s=sources[i % len(sources)]: torch.mul(s, 1) for i in range(calls)])
+
+
 def cpu_time_us(call: Callable[[], object], repeats: int = 5) -> float:
     """Median wall time of one call on the CPU (smoke runs: no graphs, no events)."""
     call()
