@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 namespace ltx {
 
@@ -36,13 +37,35 @@ namespace ltx {
     }                                                                                \
   }()
 
-inline bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
+// The CPU backend also takes float64 (all of an op's tensors), computed in double: for
+// torch.autograd.gradcheck and fp64 references. The CUDA kernels do not.
+#define LTX_DISPATCH_CPU_FLOAT_TYPES(DTYPE, NAME, ...) \
+  [&] {                                                \
+    if ((DTYPE) == at::ScalarType::Double) {           \
+      using scalar_t = double;                         \
+      return __VA_ARGS__();                            \
+    }                                                  \
+    return LTX_DISPATCH_FLOAT_TYPES(DTYPE, NAME, __VA_ARGS__); \
+  }()
+
+// fp16 or bf16: the input dtypes that may take fp32 weights, tables or outputs beside them.
+inline bool is_16bit(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// What the CPU twins accumulate in: fp32, or double for float64 tensors.
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+struct Type {
+  using type = T;
+};
 
 inline void check_float_dtype(const at::Tensor& t, const char* op, const char* arg) {
-  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", arg, " has dtype ",
-              t.scalar_type(), "; expected float32, float16 or bfloat16");
+  const at::ScalarType d = t.scalar_type();
+  const bool cpu = t.device().is_cpu();
+  TORCH_CHECK(d == at::kFloat || d == at::kHalf || d == at::kBFloat16 || (cpu && d == at::kDouble), op, ": ", arg,
+              " has dtype ", d, "; expected float32, float16 or bfloat16",
+              cpu ? " (or float64 on the CPU)" : "");
 }
 
 inline void check_device(const at::Tensor& t, c10::DeviceType expected, const char* op,

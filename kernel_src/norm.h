@@ -112,11 +112,6 @@ struct NormBackwardArgs {
   bool cast_before_weight = false;
 };
 
-template <typename T>
-struct Type {
-  using type = T;
-};
-
 // The one ladder over a norm's weight and output types for an input of type T: each is T,
 // or float where the weight (and then the output, or for the backward the output's grad)
 // is fp32. Calls fn(Type<W>{}, Type<O>{}).
@@ -191,7 +186,7 @@ struct Checker {
   void weight(const std::optional<at::Tensor>& w, bool fp32_allowed) {
     if (!w.has_value()) return;
     check_same_device(*w, input, op, "weight", "input");
-    const bool fp32 = w->scalar_type() == at::kFloat && a.dtype != at::kFloat;
+    const bool fp32 = w->scalar_type() == at::kFloat && is_16bit(a.dtype);
     TORCH_CHECK(w->scalar_type() == a.dtype || (fp32 && fp32_allowed), op, ": weight has dtype ",
                 w->scalar_type(), " but input has dtype ", a.dtype,
                 fp32_allowed ? " (the weight may be the input's dtype or float32)" : "");
@@ -275,7 +270,7 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
   c.check_input();
   c.weight(weight, /*fp32_allowed=*/true);
   check_eps(eps, op);
-  a.out_fp32 = out.scalar_type() == at::kFloat && a.dtype != at::kFloat;
+  a.out_fp32 = out.scalar_type() == at::kFloat && is_16bit(a.dtype);
   TORCH_CHECK(out.scalar_type() == a.dtype || a.out_fp32, op, ": out has dtype ", out.scalar_type(),
               " but input has dtype ", a.dtype, " (out may be the input's dtype or float32)");
   TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
@@ -297,7 +292,7 @@ inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker&
   b.input = a.input, b.weight = a.weight, b.scale = a.scale;
   b.rows = a.rows, b.cols = a.cols, b.tokens = a.tokens, b.input_stride = a.input_stride;
   b.inv_cols = a.inv_cols;
-  b.grad_fp32 = grad_out.scalar_type() == at::kFloat && a.dtype != at::kFloat;
+  b.grad_fp32 = grad_out.scalar_type() == at::kFloat && is_16bit(a.dtype);
   TORCH_CHECK(!b.grad_fp32 || grad_fp32_allowed, c.op, ": grad_out has dtype float32 but input has dtype ", a.dtype,
               " (a float32 grad_out needs a float32 weight)");
   b.grad_out_stride = c.like_input(grad_out, "grad_out", grad_out.scalar_type());
@@ -355,13 +350,15 @@ inline void group_by_batch_entry(NormBackwardArgs& b) {
 // - per row, then summed over the batch, when it has one row per token shared by the
 //   batch entries ([1, S, D] with B > 1);
 // - else column sums per group (batch entry), reduced to its sizes: of the operand's dtype
-//   when each group is one of its rows, else fp32 summed over the groups after.
+//   when each group is one of its rows, else fp32 (float64 for float64) summed over the
+//   groups after.
 // modulation_grad points `rows` or `sums` at the buffer the runner fills; finish() then
 // gives the grad.
 struct ModulationGrad {
   at::Tensor rows;  // per-row grads, of the operand's sizes or (shared by the batch) the input's
   at::Tensor sums;  // [groups, D] when summed
-  bool add_groups = false;  // sums is fp32, and the operand's grad is its sum over the groups
+  // sums is fp32 (float64 operands: float64), and the operand's grad is its sum over the groups
+  bool add_groups = false;
 
   at::Tensor finish(const at::Tensor& like) const {
     if (sums.defined()) {
@@ -383,10 +380,12 @@ inline ModulationGrad modulation_grad(const at::Tensor& like, const at::Tensor& 
   // The runner's groups (see group_by_batch_entry); without rows, zeros for each batch
   // entry, so that a [B, 1, D] operand keeps its sizes. The runner writes every element.
   const int64_t groups = b.rows > 0 ? b.rows / b.group_rows : input.size(0);
-  // An operand without a batch dim of B sums over the groups after, in fp32.
+  // An operand without a batch dim of B sums over the groups after, in fp32 (float64:
+  // in float64).
   const bool group_per_row = groups == 1 || (like.dim() >= 2 && like.size(0) == groups);
-  sums_fp32 = !group_per_row || like.scalar_type() == at::kFloat;
-  const auto options = group_per_row ? like.options() : input.options().dtype(at::kFloat);
+  const bool keep_dtype = group_per_row || like.scalar_type() == at::kDouble;
+  sums_fp32 = !keep_dtype || like.scalar_type() == at::kFloat;
+  const auto options = keep_dtype ? like.options() : input.options().dtype(at::kFloat);
   at::Tensor s = b.rows > 0 ? at::empty({groups, b.cols}, options) : at::zeros({groups, b.cols}, options);
   sums = s.mutable_data_ptr();
   return {{}, s, !group_per_row};

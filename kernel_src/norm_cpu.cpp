@@ -1,6 +1,6 @@
 // The norm family on the CPU: the twin of norm.cu, same math and roundings (fp32
-// accumulation, the residual sum rounded to the input dtype, one rounding at the end),
-// rows spread over threads.
+// accumulation, the residual sum rounded to the input dtype, one rounding at the end;
+// float64 tensors in double), rows spread over threads.
 #include <ATen/Parallel.h>
 
 #include "norm.h"
@@ -19,32 +19,34 @@ namespace {
 // reassociating one running sum.
 constexpr int64_t kLanes = 16;
 
-float sum_of(const float* v, int64_t n, float shift, bool square) {
-  float partial[kLanes] = {};
+template <typename A>
+A sum_of(const A* v, int64_t n, A shift, bool square) {
+  A partial[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     for (int64_t l = 0; l < kLanes; ++l) {
-      const float f = v[j + l] - shift;
+      const A f = v[j + l] - shift;
       partial[l] += square ? f * f : f;
     }
   }
   for (; j < n; ++j) {
-    const float f = v[j] - shift;
+    const A f = v[j] - shift;
     partial[0] += square ? f * f : f;
   }
-  float s = 0.f;
+  A s = 0;
   for (int64_t l = 0; l < kLanes; ++l) s += partial[l];
   return s;
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  float partial[kLanes] = {};
+template <typename A>
+A dot(const A* a, const A* b, int64_t n) {
+  A partial[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     for (int64_t l = 0; l < kLanes; ++l) partial[l] += a[j + l] * b[j + l];
   }
   for (; j < n; ++j) partial[0] += a[j] * b[j];
-  float s = 0.f;
+  A s = 0;
   for (int64_t l = 0; l < kLanes; ++l) s += partial[l];
   return s;
 }
@@ -62,8 +64,10 @@ const T* modulation_row(const Modulation& m, int64_t batch, int64_t token) {
 
 template <typename T, typename W, typename O>
 void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
+  using A = acc_t<T>;
   const int64_t n = a.cols;
-  std::vector<float> v(n);  // the row in fp32, after the residual add
+  const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
+  std::vector<A> v(n);  // the row in fp32 (double), after the residual add
   for (int64_t r = begin; r < end; ++r) {
     const int64_t batch = r / a.tokens;
     const int64_t token = r - batch * a.tokens;
@@ -73,30 +77,30 @@ void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
     if (res != nullptr) {
       T* res_out = static_cast<T*>(a.residual_out) + r * a.residual_out_stride;
       for (int64_t k = 0; k < n; ++k) {
-        const float g = gate != nullptr ? static_cast<float>(gate[k]) : 1.f;
-        const T s = static_cast<T>(static_cast<float>(res[k]) + static_cast<float>(x[k]) * g);
+        const A g = gate != nullptr ? static_cast<A>(gate[k]) : A(1);
+        const T s = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]) * g);
         res_out[k] = s;
-        v[k] = static_cast<float>(s);
+        v[k] = static_cast<A>(s);
       }
     } else {
-      for (int64_t k = 0; k < n; ++k) v[k] = static_cast<float>(x[k]);
+      for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(x[k]);
     }
     if (a.kind == NormKind::kNone) continue;
 
-    float mean = 0.f;
-    if (a.kind == NormKind::kLayer) mean = sum_of(v.data(), n, 0.f, false) * a.inv_cols;
-    const float rstd = 1.f / std::sqrt(sum_of(v.data(), n, mean, true) * a.inv_cols + a.eps);
-    if (a.stats != nullptr) a.stats[2 * r] = mean, a.stats[2 * r + 1] = rstd;
+    A mean = 0;
+    if (a.kind == NormKind::kLayer) mean = sum_of<A>(v.data(), n, 0, false) * inv_cols;
+    const A rstd = A(1) / std::sqrt(sum_of<A>(v.data(), n, mean, true) * inv_cols + a.eps);
+    if (a.stats != nullptr) a.stats[2 * r] = static_cast<float>(mean), a.stats[2 * r + 1] = static_cast<float>(rstd);
 
     const W* w = static_cast<const W*>(a.weight);
     const T* scale = modulation_row<T>(a.scale, batch, token);
     const T* shift = modulation_row<T>(a.shift, batch, token);
     O* y = static_cast<O*>(a.out) + r * a.out_stride;
     for (int64_t k = 0; k < n; ++k) {
-      float f = (v[k] - mean) * rstd;
-      if (a.cast_before_weight) f = static_cast<float>(static_cast<T>(f));
-      if (w != nullptr) f *= a.weight_offset + static_cast<float>(w[k]);
-      if (scale != nullptr) f = f * (1.f + static_cast<float>(scale[k])) + static_cast<float>(shift[k]);
+      A f = (v[k] - mean) * rstd;
+      if (a.cast_before_weight) f = static_cast<A>(static_cast<T>(f));
+      if (w != nullptr) f *= a.weight_offset + static_cast<A>(w[k]);
+      if (scale != nullptr) f = f * (1 + static_cast<A>(scale[k])) + static_cast<A>(shift[k]);
       y[k] = static_cast<O>(f);
     }
   }
@@ -115,11 +119,12 @@ constexpr int64_t kChunkRows = 64;
 
 // Rows [begin, end) of the backward (see NormBackwardArgs); column grads are added to
 // factor_acc / shift_acc / gate_acc ([cols] each, or nullptr).
-template <typename T, typename W, typename G>
-void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, float* factor_acc, float* shift_acc,
-                        float* gate_acc) {
+template <typename T, typename W, typename G, typename A = acc_t<T>>
+void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A* factor_acc, A* shift_acc,
+                        A* gate_acc) {
   const int64_t n = a.cols;
-  std::vector<float> centred(n), dy(n), dn(n);
+  const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
+  std::vector<A> centred(n), dy(n), dn(n);
   const W* w = static_cast<const W*>(a.weight);
   for (int64_t r = begin; r < end; ++r) {
     const int64_t batch = r / a.tokens;
@@ -129,24 +134,24 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, f
     const T* extra = row_of<T>(a.grad_extra, r, a.grad_extra_stride);
     const T* scale = modulation_row<T>(a.scale, batch, token);
     for (int64_t k = 0; k < n; ++k) {
-      centred[k] = static_cast<float>(x[k]);
-      dy[k] = static_cast<float>(g[k]);
-      float factor = 1.f;
-      if (w != nullptr) factor = a.weight_offset + static_cast<float>(w[k]);
-      if (scale != nullptr) factor = a.weight_offset + static_cast<float>(scale[k]);
+      centred[k] = static_cast<A>(x[k]);
+      dy[k] = static_cast<A>(g[k]);
+      A factor = 1;
+      if (w != nullptr) factor = a.weight_offset + static_cast<A>(w[k]);
+      if (scale != nullptr) factor = a.weight_offset + static_cast<A>(scale[k]);
       dn[k] = dy[k] * factor;
     }
     const bool layer = a.kind == NormKind::kLayer;
     const bool normed_row = a.kind != NormKind::kNone;  // kNone: n = x, dx = dn
-    // The forward's statistics, or computed here.
+    // The forward's statistics (fp32), or computed here.
     const float* saved = a.stats != nullptr ? a.stats + 2 * r : nullptr;
-    const float mean = saved != nullptr ? saved[0] : layer ? sum_of(centred.data(), n, 0.f, false) * a.inv_cols : 0.f;
+    const A mean = saved != nullptr ? saved[0] : layer ? sum_of<A>(centred.data(), n, 0, false) * inv_cols : 0;
     for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
-    const float rstd = saved != nullptr ? saved[1]
-                       : normed_row ? 1.f / std::sqrt(sum_of(centred.data(), n, 0.f, true) * a.inv_cols + a.eps)
-                                    : 1.f;
-    const float mean_dn_n = normed_row ? dot(dn.data(), centred.data(), n) * rstd * a.inv_cols : 0.f;
-    const float mean_dn = layer ? sum_of(dn.data(), n, 0.f, false) * a.inv_cols : 0.f;
+    const A rstd = saved != nullptr ? saved[1]
+                   : normed_row ? A(1) / std::sqrt(sum_of<A>(centred.data(), n, 0, true) * inv_cols + a.eps)
+                                : A(1);
+    const A mean_dn_n = normed_row ? dot(dn.data(), centred.data(), n) * rstd * inv_cols : 0;
+    const A mean_dn = layer ? sum_of<A>(dn.data(), n, 0, false) * inv_cols : 0;
 
     T* dx = static_cast<T*>(a.grad_input) + r * n;
     T* factor_row = a.factor_rows != nullptr ? static_cast<T*>(a.factor_rows) + r * n : nullptr;
@@ -156,19 +161,19 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, f
     T* gated_grad = gate != nullptr ? static_cast<T*>(a.gate_input_grad) + r * n : nullptr;
     T* gate_row = a.gate_rows != nullptr ? static_cast<T*>(a.gate_rows) + r * n : nullptr;
     for (int64_t k = 0; k < n; ++k) {
-      float normed = centred[k] * rstd;
+      A normed = centred[k] * rstd;
       // kNone takes dn as is: an infinite x times a zero mean_dn_n would make it NaN.
-      float d = normed_row ? rstd * (dn[k] - mean_dn - normed * mean_dn_n) : dn[k];
-      if (extra != nullptr) d += static_cast<float>(extra[k]);
+      A d = normed_row ? rstd * (dn[k] - mean_dn - normed * mean_dn_n) : dn[k];
+      if (extra != nullptr) d += static_cast<A>(extra[k]);
       dx[k] = static_cast<T>(d);
       if (gate != nullptr) {  // from dx as stored, as gated_residual_backward would read it
-        const float dr = static_cast<float>(dx[k]);
-        gated_grad[k] = static_cast<T>(dr * static_cast<float>(gate[k]));
-        const float dr_x = dr * static_cast<float>(gated[k]);
+        const A dr = static_cast<A>(dx[k]);
+        gated_grad[k] = static_cast<T>(dr * static_cast<A>(gate[k]));
+        const A dr_x = dr * static_cast<A>(gated[k]);
         if (gate_row != nullptr) gate_row[k] = static_cast<T>(dr_x);
         if (gate_acc != nullptr) gate_acc[k] += dr_x;
       }
-      if (a.cast_before_weight) normed = static_cast<float>(static_cast<T>(normed));
+      if (a.cast_before_weight) normed = static_cast<A>(static_cast<T>(normed));
       if (factor_row != nullptr) factor_row[k] = static_cast<T>(dy[k] * normed);
       if (factor_acc != nullptr) factor_acc[k] += dy[k] * normed;
       if (shift_row != nullptr) shift_row[k] = static_cast<T>(dy[k]);
@@ -179,13 +184,14 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, f
 
 template <typename T, typename W, typename G>
 void run_backward(const NormBackwardArgs& a) {
+  using A = acc_t<T>;
   const int64_t n = a.cols;
   const int64_t groups = a.rows / a.group_rows;
   const int64_t chunks = (a.group_rows + kChunkRows - 1) / kChunkRows;  // per group
-  std::vector<float> factor_partial(a.factor_sums != nullptr ? groups * chunks * n : 0);
-  std::vector<float> shift_partial(a.shift_sums != nullptr ? groups * chunks * n : 0);
-  std::vector<float> gate_partial(a.gate_sums != nullptr ? groups * chunks * n : 0);
-  auto partial_row = [&](std::vector<float>& p, int64_t chunk) { return p.empty() ? nullptr : p.data() + chunk * n; };
+  std::vector<A> factor_partial(a.factor_sums != nullptr ? groups * chunks * n : 0);
+  std::vector<A> shift_partial(a.shift_sums != nullptr ? groups * chunks * n : 0);
+  std::vector<A> gate_partial(a.gate_sums != nullptr ? groups * chunks * n : 0);
+  auto partial_row = [&](std::vector<A>& p, int64_t chunk) { return p.empty() ? nullptr : p.data() + chunk * n; };
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t group = c / chunks;
@@ -195,13 +201,13 @@ void run_backward(const NormBackwardArgs& a) {
                                   partial_row(gate_partial, c));
     }
   });
-  // The chunks' partial sums in order, in fp32, then stored in the sums' dtype.
-  auto add_chunks = [&](const std::vector<float>& partial, auto* sums) {
-    std::vector<float> total(n);
+  // The chunks' partial sums in order, in fp32 (double), then stored in the sums' dtype.
+  auto add_chunks = [&](const std::vector<A>& partial, auto* sums) {
+    std::vector<A> total(n);
     for (int64_t g = 0; g < groups; ++g) {
-      std::fill(total.begin(), total.end(), 0.f);
+      std::fill(total.begin(), total.end(), A(0));
       for (int64_t c = 0; c < chunks; ++c) {
-        const float* p = partial.data() + (g * chunks + c) * n;
+        const A* p = partial.data() + (g * chunks + c) * n;
         for (int64_t k = 0; k < n; ++k) total[k] += p[k];
       }
       using S = std::remove_pointer_t<decltype(sums)>;
@@ -219,7 +225,7 @@ void run_backward(const NormBackwardArgs& a) {
 }  // namespace
 
 void run_norm_backward_cpu(const NormBackwardArgs& a) {
-  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
+  LTX_DISPATCH_CPU_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
     using T = scalar_t;
     with_weight_types<T>(a.weight_fp32, a.grad_fp32, [&](auto w, auto g) {
       run_backward<T, typename decltype(w)::type, typename decltype(g)::type>(a);
@@ -228,7 +234,7 @@ void run_norm_backward_cpu(const NormBackwardArgs& a) {
 }
 
 void run_norm_cpu(const NormArgs& a) {
-  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm", [&] {
+  LTX_DISPATCH_CPU_FLOAT_TYPES(a.dtype, "norm", [&] {
     using T = scalar_t;
     with_weight_types<T>(a.weight_fp32, a.out_fp32, [&](auto w, auto o) {
       run<T, typename decltype(w)::type, typename decltype(o)::type>(a);

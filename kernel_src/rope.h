@@ -123,8 +123,9 @@ inline Table check_tables(const at::Tensor& cos, const at::Tensor& sin, const at
                           const char* op) {
   for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&cos, "cos"}, {&sin, "sin"}}) {
     check_same_device(*t, x, op, arg, "q");
-    TORCH_CHECK(t->scalar_type() == x.scalar_type() || t->scalar_type() == at::kFloat, op, ": ", arg, " has dtype ",
-                t->scalar_type(), "; expected q's dtype (", x.scalar_type(), ") or float32");
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() || (t->scalar_type() == at::kFloat && is_16bit(x.scalar_type())),
+                op, ": ", arg, " has dtype ", t->scalar_type(), "; expected q's dtype (", x.scalar_type(), ")",
+                x.scalar_type() == at::kDouble ? "" : " or float32");
     TORCH_CHECK(t->dim() == 2 || t->dim() == 3, op, ": ", arg, " must be [S, R] or [B, S, R], got sizes ", t->sizes());
     TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, op, ": ", arg, " must be contiguous in its last dim");
   }
@@ -134,7 +135,7 @@ inline Table check_tables(const at::Tensor& cos, const at::Tensor& sin, const at
   const int64_t table_batch = cos.dim() == 3 ? cos.size(0) : 1;
   TORCH_CHECK(cos.size(-2) == seq && (table_batch == batch || table_batch == 1), op, ": cos has sizes ", cos.sizes(),
               "; expected [S, R] or [B, S, R] with B = ", batch, ", S = ", seq);
-  return {cos.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat, table_batch > 1 ? cos.stride(0) : 0,
+  return {cos.scalar_type() == at::kFloat && is_16bit(x.scalar_type()), table_batch > 1 ? cos.stride(0) : 0,
           cos.stride(-2), cos.size(-1)};
 }
 

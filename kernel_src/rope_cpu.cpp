@@ -1,5 +1,5 @@
-// RoPE on the CPU: the twin of rope.cu, same fp32 formulas and one rounding; rows of q
-// and k spread over threads.
+// RoPE on the CPU: the twin of rope.cu, same fp32 formulas (double for float64 tensors)
+// and one rounding; rows of q and k spread over threads.
 #include <ATen/Parallel.h>
 
 #include "rope.h"
@@ -25,22 +25,23 @@ void rotate_rows(const RopeArgs& a, const RopeTensor& t, int64_t begin, int64_t 
     T* out = out_base + b * t.out_b + h * t.out_h + s * t.out_s;
     const C* cos = static_cast<const C*>(a.cos) + b * a.table_b + s * a.table_s;
     const C* sin = static_cast<const C*>(a.sin) + b * a.table_b + s * a.table_s;
-    auto f = [](auto v) { return static_cast<float>(v); };
+    using A = acc_t<T>;
+    auto f = [](auto v) { return static_cast<A>(v); };
     // The backward (inverse) swaps and negates the sines of each pair.
     auto sines = [&](int64_t first, int64_t second) {
-      return a.inverse ? std::pair<float, float>{-f(sin[second]), -f(sin[first])}
-                       : std::pair<float, float>{f(sin[first]), f(sin[second])};
+      return a.inverse ? std::pair<A, A>{-f(sin[second]), -f(sin[first])}
+                       : std::pair<A, A>{f(sin[first]), f(sin[second])};
     };
     if (a.interleaved) {
       for (int64_t i = 0; i < a.rotary_dim; i += 2) {
-        const float x0 = f(in[i]), x1 = f(in[i + 1]);
+        const A x0 = f(in[i]), x1 = f(in[i + 1]);
         const auto [s0, s1] = sines(i, i + 1);
         out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * s0);
         out[i + 1] = static_cast<T>(x1 * f(cos[i + 1]) + x0 * s1);
       }
     } else {
       for (int64_t i = 0; i < half; ++i) {
-        const float x0 = f(in[i]), x1 = f(in[i + half]);
+        const A x0 = f(in[i]), x1 = f(in[i + half]);
         const auto [s0, s1] = sines(i, i + half);
         out[i] = static_cast<T>(x0 * f(cos[i]) - x1 * s0);
         out[i + half] = static_cast<T>(x1 * f(cos[i + half]) + x0 * s1);
@@ -63,8 +64,10 @@ void run(const RopeArgs& a) {
 
 template <typename T, typename C>
 void qk_norm_rope_rows(const QkNormRopeArgs& a, bool is_q, int64_t begin, int64_t end) {
+  using A = acc_t<T>;
   const int64_t n = a.channels;
-  std::vector<float> normed(n);
+  const A inv_channels = A(1) / static_cast<A>(n);  // a.inv_channels in fp32
+  std::vector<A> normed(n);
   for (int64_t r = begin; r < end; ++r) {
     const T* x = static_cast<const T*>(is_q ? a.q : a.k) + r * (is_q ? a.q_stride : a.k_stride);
     T* y = static_cast<T*>(is_q ? a.q_out : a.k_out) + r * (is_q ? a.q_out_stride : a.k_out_stride);
@@ -72,16 +75,16 @@ void qk_norm_rope_rows(const QkNormRopeArgs& a, bool is_q, int64_t begin, int64_
     const int64_t b = r / a.seq;
     const C* cos = static_cast<const C*>(a.cos) + b * a.table_b + (r - b * a.seq) * a.table_s;
     const C* sin = static_cast<const C*>(a.sin) + b * a.table_b + (r - b * a.seq) * a.table_s;
-    float sum_sq = 0.f;
-    for (int64_t i = 0; i < n; ++i) sum_sq += static_cast<float>(x[i]) * static_cast<float>(x[i]);
-    const float rstd = 1.f / std::sqrt(sum_sq * a.inv_channels + a.eps);
+    A sum_sq = 0;
+    for (int64_t i = 0; i < n; ++i) sum_sq += static_cast<A>(x[i]) * static_cast<A>(x[i]);
+    const A rstd = A(1) / std::sqrt(sum_sq * inv_channels + a.eps);
     for (int64_t i = 0; i < n; ++i) {
-      normed[i] = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * rstd * static_cast<float>(w[i])));
+      normed[i] = static_cast<A>(static_cast<T>(static_cast<A>(x[i]) * rstd * static_cast<A>(w[i])));
     }
     for (int64_t i = 0; i < n; i += 2) {
-      const float x0 = normed[i], x1 = normed[i + 1];
-      y[i] = static_cast<T>(x0 * static_cast<float>(cos[i]) - x1 * static_cast<float>(sin[i]));
-      y[i + 1] = static_cast<T>(x1 * static_cast<float>(cos[i + 1]) + x0 * static_cast<float>(sin[i + 1]));
+      const A x0 = normed[i], x1 = normed[i + 1];
+      y[i] = static_cast<T>(x0 * static_cast<A>(cos[i]) - x1 * static_cast<A>(sin[i]));
+      y[i + 1] = static_cast<T>(x1 * static_cast<A>(cos[i + 1]) + x0 * static_cast<A>(sin[i + 1]));
     }
   }
 }
@@ -98,13 +101,13 @@ void run_qk_norm_rope(const QkNormRopeArgs& a) {
 }  // namespace
 
 void run_qk_norm_rope_cpu(const QkNormRopeArgs& a) {
-  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "qk_norm_rope", [&] {
+  LTX_DISPATCH_CPU_FLOAT_TYPES(a.dtype, "qk_norm_rope", [&] {
     return a.table_fp32 ? run_qk_norm_rope<scalar_t, float>(a) : run_qk_norm_rope<scalar_t, scalar_t>(a);
   });
 }
 
 void run_rope_cpu(const RopeArgs& a) {
-  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "rope", [&] {
+  LTX_DISPATCH_CPU_FLOAT_TYPES(a.dtype, "rope", [&] {
     return a.table_fp32 ? run<scalar_t, float>(a) : run<scalar_t, scalar_t>(a);
   });
 }

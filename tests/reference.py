@@ -10,6 +10,7 @@ TOLERANCE = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
     torch.float16: dict(rtol=2**-10, atol=1e-5),
     torch.bfloat16: dict(rtol=2**-7, atol=1e-5),
+    torch.float64: dict(rtol=1e-12, atol=1e-12),  # the CPU backend only
 }
 
 

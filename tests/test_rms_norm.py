@@ -142,8 +142,9 @@ def _bad_inputs(device):
                          "weight has dtype Double but input has dtype Half"),
         "int_input": (lambda: (torch.ones(4, 64, dtype=torch.int32, device=device), None),
                       "input has dtype Int; expected float32, float16 or bfloat16"),
-        "fp64_input": (lambda: (torch.ones(4, 64, dtype=torch.float64, device=device), None),
-                       "input has dtype Double"),
+        # the CPU takes float64 with a float64 weight (test_gradcheck), never a float32 one
+        "fp64_input_fp32_weight": (lambda: (torch.ones(4, 64, dtype=torch.float64, device=device),
+                                            torch.ones(64, device=device)), "input has dtype Double"),
         "empty_last_dim": (lambda: (torch.ones(4, 0, **f16), None), "non-empty last dim"),
         "zero_dim": (lambda: (torch.tensor(1.0, **f16), None), "non-empty last dim"),
         "transposed": (lambda: (torch.randn(64, 4, **f16).t(), None), "contiguous in its last dim"),

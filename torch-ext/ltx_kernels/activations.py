@@ -1,7 +1,8 @@
 """The GELU family of feed-forward activations, with fake implementations for
 torch.compile beside them.
 
-Tensors are float32, float16 or bfloat16 on CPU or CUDA, ``[..., D]`` with a contiguous
+Tensors are float32, float16 or bfloat16 on CPU or CUDA (float64 too on the CPU, exact
+erf and tanh in double), ``[..., D]`` with a contiguous
 last dim and leading dims that collapse into one row stride. Math is fp32 with one
 rounding to the input dtype. ``approximate`` is ``"none"`` (erf) or ``"tanh"``, as in
 ``torch.nn.functional.gelu``.

@@ -2,7 +2,8 @@
 implementations for torch.compile beside them (their autograd is C++:
 torch-ext/torch_autograd.cpp).
 
-Shared rules: tensors are float32, float16 or bfloat16 on one device (CPU or CUDA); the
+Shared rules: tensors are float32, float16 or bfloat16 on one device (CPU or CUDA), or
+all float64 on the CPU (computed in double, for gradcheck); the
 input is ``[..., D]`` with a contiguous last dim and leading dims that collapse into one
 row stride (contiguous tensors and slices such as ``qkv[..., :D]``); sums and norms are
 computed in fp32 and every output is rounded once. Outputs are new contiguous tensors,

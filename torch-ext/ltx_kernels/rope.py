@@ -5,7 +5,8 @@ q and k: ``[B, S, C]`` (LTX-Video), ``[B, H, S, D]`` (transformers, FLUX) or
 ``[B, S, H, D]`` (pass ``sequence_dim=1``), any strides with a contiguous last dim
 (transposed views work), k may have fewer heads (GQA); fp32, fp16 or bf16. cos and sin:
 ``[S, R]`` or ``[B, S, R]``, in q's dtype or float32; only the first R channels rotate
-(partial rotary), the rest pass through. fp32 math, one rounding.
+(partial rotary), the rest pass through. fp32 math, one rounding. On the CPU also
+float64 (q, k and the tables), in double.
 
 Autograd: the functional forms are differentiable in q and k (the backward is the same
 kernel rotating the other way; qk_norm_rope also in its weights). The tables are

@@ -1,0 +1,115 @@
+"""torch.autograd.gradcheck in float64 on the CPU backend (both variants' CPU twins), for
+every differentiable op and the layouts its backward treats differently: the analytic
+grads (our backward kernels) against finite differences of our forward, computed in
+double. The CUDA kernels take no float64 (test_bad_inputs checks that they refuse it);
+their grads are compared with the fp64 reference's in test_autograd."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TARGETS, load_variant
+from reference import adaln_ref, rms_norm_ref, rope_ref
+
+CPU_TARGETS = [backend for backend, device in TARGETS if device == "cpu"]
+D64 = torch.float64
+
+
+@pytest.fixture(params=CPU_TARGETS, ids=[f"{b}-variant-on-cpu" for b in CPU_TARGETS])
+def kernel(request):
+    return load_variant(request.param)
+
+
+def leaves(*shapes, scale=1.0, offset=0.0):
+    return [(torch.randn(*s, dtype=D64) * scale + offset).requires_grad_() for s in shapes]
+
+
+def check(fn, inputs):
+    # gradcheck's default tolerances (atol 1e-5, rtol 1e-3): AdaLN's backward reads the
+    # row statistics its forward saved, which are fp32 for every input dtype.
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("weighted, offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+def test_rms_norm(kernel, weighted, offset):
+    x, w = leaves((3, 5, 24), (24,))
+    if weighted:
+        check(lambda x, w: kernel.rms_norm(x, w, 1e-6, weight_offset=offset), (x, w))
+    else:
+        check(lambda x: kernel.rms_norm(x, None, 1e-6), (x,))
+
+
+def test_fused_add_rms_norm(kernel):
+    x, r, w = leaves((4, 24), (4, 24), (24,))
+    check(lambda x, r, w: kernel.fused_add_rms_norm(x, r, w, 1e-6), (x, r, w))
+
+
+# [D], [B, D], [B, 1, D] and per-token [B, S, D] scale/shift: each reduces its grad differently
+@pytest.mark.parametrize("mod_shape", [(16,), (2, 16), (2, 1, 16), (2, 3, 16)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_adaln(kernel, norm, mod_shape):
+    x, = leaves((2, 3, 16), offset=0.5)  # an offset mean: LayerNorm's centring matters
+    scale, shift = leaves(mod_shape, mod_shape, scale=0.3)
+    check(lambda x, sc, sh: kernel.adaln(x, sc, sh, 1e-6, norm=norm), (x, scale, shift))
+
+
+@pytest.mark.parametrize("gate_shape", [(2, 16), (2, 3, 16)])
+def test_gated_residual(kernel, gate_shape):
+    r, x, gate = leaves((2, 3, 16), (2, 3, 16), gate_shape)
+    check(lambda r, x, g: kernel.gated_residual(r, x, g), (r, x, gate))
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gated_residual_adaln(kernel, norm):
+    r, x = leaves((2, 3, 16), (2, 3, 16))
+    gate, scale, shift = leaves((2, 1, 16), (2, 1, 16), (2, 3, 16), scale=0.3)
+    check(lambda *t: kernel.gated_residual_adaln(*t, 1e-6, norm=norm), (r, x, gate, scale, shift))
+
+
+def tables(batch, seq, dim, interleaved):
+    angle = torch.rand(batch, seq, dim // 2, dtype=D64) * 6.0
+    angle = angle.repeat_interleave(2, -1) if interleaved else torch.cat([angle, angle], -1)
+    return angle.cos(), angle.sin()
+
+
+@pytest.mark.parametrize("rotary", [8, 6])  # all channels, or a partial rotary dim
+def test_rope_rotate_half(kernel, rotary):
+    q, k = leaves((1, 4, 5, 8), (1, 2, 5, 8))  # GQA: k has fewer heads
+    cos, sin = tables(1, 5, rotary, interleaved=False)
+    check(lambda q, k: kernel.rope_rotate_half(q, k, cos, sin), (q, k))
+
+
+def test_rope_interleaved(kernel):
+    q, k = leaves((2, 5, 12), (2, 5, 12))  # LTX's [B, S, C]
+    cos, sin = tables(2, 5, 12, interleaved=True)
+    check(lambda q, k: kernel.rope_interleaved(q, k, cos, sin, sequence_dim=1), (q, k))
+
+
+def test_qk_norm_rope(kernel):
+    q, k, wq, wk = leaves((2, 5, 12), (2, 5, 12), (12,), (12,))
+    cos, sin = tables(2, 5, 12, interleaved=True)
+    check(lambda *t: kernel.qk_norm_rope(*t, cos, sin, 1e-5), (q, k, wq, wk))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_activations(kernel, approximate):
+    x, gate, up = leaves((3, 20), (3, 10), (3, 10), scale=2.0)
+    check(lambda x: kernel.gelu(x, approximate), (x,))
+    check(lambda g, u: kernel.gelu_mul(g, u, approximate), (gate, up))
+    check(lambda x: kernel.geglu(x, approximate), (x,))
+
+
+def test_float64_forward_is_double_precision(kernel):
+    """The float64 forward is the fp64 reference to rounding, not an fp32 result widened."""
+    x, w, sc, sh = (t.detach() for t in leaves((3, 5, 24), (24,), (3, 1, 24), (3, 1, 24)))
+    cos, sin = tables(3, 5, 24, interleaved=True)
+    pairs = [
+        (kernel.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)),
+        (kernel.adaln(x, sc, sh, 1e-6, norm="layer"), adaln_ref(x, sc, sh, 1e-6, "layer")),
+        (kernel.rope_interleaved(x, x, cos, sin, sequence_dim=1)[0], rope_ref(x[:, None], cos, sin, True)[:, 0]),
+        (kernel.gelu(x, "none"), F.gelu(x)),
+        (kernel.gelu(x, "tanh"), F.gelu(x, approximate="tanh")),
+    ]
+    for ours, expected in pairs:
+        assert ours.dtype == D64
+        torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
