@@ -41,14 +41,13 @@ constexpr int kOneVecMinBlocks = 5;
 #endif
 // Rows without a residual, of at most 2 * kTwoVecThreads vectors (D <= 4096 in 16 bits),
 // take two vectors a thread below kTwoVecRowsPerSm rows per SM: twice the threads a row of
-// the four-vector launch has, each with its write operands (a 16-bit weight, AdaLN RMS's
-// scale and shift) loaded before the reduction, in at most 40 registers (six 256-thread
-// blocks per SM). H200, one build, four vectors (one below two rows per SM) / two:
-// rms_norm bf16 128x4096 3.3 / 3.0 us, 1024x2048 5.5 / 4.5 us, 4096x4096 20.5 / 19.7 us,
-// 8192x4096 36.7 / 36.5 us; adaln rms [2,2688,2048] 16.6 / 14.9 us. From 64 rows per SM
-// four are faster (rms_norm 32768x4096 134.6 / 137.9 us, adaln rms [2,21504,2048] 89.3 /
-// 99.9 us). fp32 operands stay unloaded: they took 42-50 registers, and fp32 8192x4096
-// 83.2 us against 69.0.
+// the four-vector launch has, each with its write operands (a 16-bit weight) loaded
+// before the reduction, in at most 40 registers (six 256-thread blocks per SM). H200, one
+// build, four vectors (one below two rows per SM) / two: rms_norm bf16 128x4096 3.3 /
+// 3.0 us, 1024x2048 5.5 / 4.5 us, 4096x4096 20.5 / 19.7 us, 8192x4096 36.7 / 36.5 us;
+// adaln rms [2,2688,2048] 16.6 / 14.9 us. From 64 rows per SM four are faster (rms_norm
+// 32768x4096 134.6 / 137.9 us, adaln rms [2,21504,2048] 89.3 / 99.9 us). fp32 operands
+// stay unloaded: they took 42-50 registers, and fp32 8192x4096 83.2 us against 69.0.
 constexpr int kTwoVecThreads = 256;
 constexpr int kTwoVecRowsPerSm = 64;
 // Plain norms' rows of at most 128 vectors (D <= 1024 in 16 bits, 512 in fp32: per-head
@@ -161,12 +160,10 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
   // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
   constexpr bool kWeighted = !MODULATE;
   const bool weighted = kWeighted && p.weight != nullptr;
-  // One vector a thread, or two with a 16-bit weight or AdaLN RMS's scale and shift: the
-  // write operands of the cached vectors load with them, so that their latency overlaps
-  // the row's rather than following the reduction. AdaLN LayerNorm's spill (8 B, sm_90).
-  // H200, adaln rms bf16 [2,2688,2048] 15.0 -> 14.0 us (Liger 14.0), wider rows unchanged.
-  constexpr bool kPreload =
-      CACHED == 1 || (CACHED == 2 && ((MODULATE && KIND == NormKind::kRms) || (kWeighted && sizeof(W) == 2)));
+  // One vector a thread, or two with a 16-bit weight: the write operands of the cached
+  // vectors load with them, so that their latency overlaps the row's rather than following
+  // the reduction.
+  constexpr bool kPreload = CACHED == 1 || (CACHED == 2 && kWeighted && sizeof(W) == 2);
   constexpr int kPre = kPreload ? CACHED : 1;
   Vec<W, VEC> pre_w[kPre];
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
