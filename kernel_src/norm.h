@@ -189,7 +189,7 @@ struct Checker {
     const bool fp32 = w->scalar_type() == at::kFloat && is_16bit(a.dtype);
     TORCH_CHECK(w->scalar_type() == a.dtype || (fp32 && fp32_allowed), op, ": weight has dtype ",
                 w->scalar_type(), " but input has dtype ", a.dtype,
-                fp32_allowed ? " (the weight may be the input's dtype or float32)" : "");
+                fp32_allowed && a.dtype != at::kDouble ? " (the weight may be the input's dtype or float32)" : "");
     TORCH_CHECK(w->dim() == 1 && w->size(0) == a.cols, op, ": weight must have shape [", a.cols,
                 "] (the input's last dim), got ", w->sizes());
     TORCH_CHECK(w->stride(0) == 1 || a.cols == 1, op, ": weight must be contiguous, got stride ",
@@ -272,7 +272,7 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
   check_eps(eps, op);
   a.out_fp32 = out.scalar_type() == at::kFloat && is_16bit(a.dtype);
   TORCH_CHECK(out.scalar_type() == a.dtype || a.out_fp32, op, ": out has dtype ", out.scalar_type(),
-              " but input has dtype ", a.dtype, " (out may be the input's dtype or float32)");
+              " but input has dtype ", a.dtype, a.dtype == at::kDouble ? "" : " (out may be the input's dtype or float32)");
   TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
   a.out_stride = c.like_input(out, "out", out.scalar_type());
   check_output_overlap(out, {&input, weight ? &*weight : nullptr}, op, "out");

@@ -113,3 +113,19 @@ def test_float64_forward_is_double_precision(kernel):
     for ours, expected in pairs:
         assert ours.dtype == D64
         torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_float64_takes_no_float32_beside_it(kernel):
+    """float64 is all of a call's tensors: the fp32 weights, tables and outputs that 16-bit
+    inputs may take are refused beside it, and the message offers no float32."""
+    x = torch.randn(2, 5, 8, dtype=D64)
+    cos, sin = (t.float() for t in tables(2, 5, 8, interleaved=True))
+    calls = {
+        "weight has dtype Float but input has dtype Double$": lambda: kernel.rms_norm(x, torch.ones(8), 1e-6),
+        "out has dtype Float but input has dtype Double$": lambda: kernel.rms_norm(x, None, 1e-6, out_dtype=torch.float32),
+        r"cos has dtype Float; expected q's dtype \(Double\)$": lambda: kernel.rope_interleaved(x, x, cos, sin,
+                                                                                                sequence_dim=1),
+    }
+    for message, call in calls.items():
+        with pytest.raises(RuntimeError, match=message):
+            call()
