@@ -101,8 +101,8 @@ def test_fused_add_rms_norm_in_place(kernel, device, dtype):
     # many_rows: LTX's row width with enough rows (64 per SM up to 134 SMs) for the
     # four-vector launch on CUDA; many_narrow_rows: as many rows of 16 vectors in 16 bits,
     # which take two vectors a thread at any batch. The other shapes have too few rows.
-    # ragged_*: rows of 192 vectors on 128 threads, half of them without a second vector
-    # (nor its preloaded scale and shift).
+    # ragged_*: rows of 192 vectors on 128 threads (the two-vector launch), half of the
+    # threads without a second vector.
     ids=["per_batch", "per_batch_3d", "per_token", "shared", "2d", "odd_d", "long_rows", "many_rows",
          "many_narrow_rows", "ragged_per_batch", "ragged_per_token"],
 )
