@@ -169,6 +169,21 @@ __device__ __forceinline__ float row_sum(float v, int threads_per_row, float* sc
   return threads_per_row > 32 ? block_sum(v, scratch) : group_sum(v, threads_per_row);
 }
 
+// n / d for 0 <= n < 2^31 by a multiply-high, an add and a shift, with d's magic number
+// made on the host (Granlund and Montgomery): a 64-bit division is a call of some 70
+// instructions that a kernel otherwise runs ahead of its first load.
+struct IntDivider {
+  uint32_t divisor = 1, magic = 1, shift = 0;
+
+  IntDivider() = default;
+  explicit IntDivider(int64_t d) : divisor(static_cast<uint32_t>(d)) {
+    TORCH_INTERNAL_ASSERT(d >= 1 && d <= INT32_MAX, "IntDivider: divisor ", d);
+    while ((uint64_t{1} << shift) < divisor) ++shift;
+    magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - divisor)) / divisor + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, magic) + n) >> shift; }
+};
+
 // Launch shape of a row-reduction kernel: threads_per_row is a power of two covering the
 // row with at most `per_thread` vectors each (up to max_threads). Rows of more than a warp
 // get a block each (row_sum reduces the whole block; the norm backward may put several in

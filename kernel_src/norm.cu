@@ -50,6 +50,14 @@ constexpr int kOneVecMinBlocks = 5;
 // stay unloaded: they took 42-50 registers, and fp32 8192x4096 83.2 us against 69.0.
 constexpr int kTwoVecThreads = 256;
 constexpr int kTwoVecRowsPerSm = 64;
+// AdaLN RMS's scale and shift load with the two cached vectors on sm_90 (H200, bf16,
+// [2,2688,2048]: 15.0 -> 14.0 us, as Liger's); compiled for sm_80, the fp16 kernel then
+// spills at the 40-register bound.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kModulatedPreload = false;
+#else
+constexpr bool kModulatedPreload = true;
+#endif
 // Plain norms' rows of at most 128 vectors (D <= 1024 in 16 bits, 512 in fp32: per-head
 // and small models' norms) take two vectors a thread at any batch: the two-vector kernel's
 // 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN's
@@ -83,7 +91,8 @@ struct NormParams {
   const T* scale;
   const T* shift;
   int64_t gate_batch, gate_token, scale_batch, scale_token, shift_batch, shift_token;
-  int64_t rows, tokens;
+  int64_t rows;
+  IntDivider tokens;  // row r is (r / tokens, r % tokens); rows < 2^31 (see make_params)
   int64_t input_stride, residual_stride, out_stride, residual_out_stride;
   int cols;
   float eps, inv_cols, weight_offset;
@@ -104,16 +113,19 @@ constexpr int bound_min_blocks(int cached) {
 
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bound_min_blocks(CACHED))
-    norm_kernel(const NormParams<T, W, O> p, int threads_per_row) {
+    norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   __shared__ float scratch[32];
+  // Rows take a power of two of threads, passed as its log: the divisions below compile to
+  // shifts and masks ahead of the loads.
+  const int threads_per_row = 1 << row_shift;
   const int rows_per_block = blockDim.x / threads_per_row;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
   const int t = threadIdx.x % threads_per_row;
   // Threads past the last row still take part in the reductions.
   const bool active = row < p.rows;
   const int64_t r = active ? row : 0;
-  const int64_t batch = r / p.tokens;
-  const int64_t token = r - batch * p.tokens;
+  const uint32_t batch = p.tokens.div(static_cast<uint32_t>(r));
+  const uint32_t token = static_cast<uint32_t>(r) - batch * p.tokens.divisor;
   const int nvec = p.cols / VEC;
 
   const T* x = p.input + r * p.input_stride;
@@ -160,10 +172,12 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
   // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
   constexpr bool kWeighted = !MODULATE;
   const bool weighted = kWeighted && p.weight != nullptr;
-  // One vector a thread, or two with a 16-bit weight: the write operands of the cached
-  // vectors load with them, so that their latency overlaps the row's rather than following
-  // the reduction.
-  constexpr bool kPreload = CACHED == 1 || (CACHED == 2 && kWeighted && sizeof(W) == 2);
+  // One vector a thread, or two with a 16-bit weight (or AdaLN RMS's scale and shift): the
+  // write operands of the cached vectors load with them, so that their latency overlaps the
+  // row's rather than following the reduction.
+  constexpr bool kPreload =
+      CACHED == 1 || (CACHED == 2 && ((kModulatedPreload && MODULATE && KIND == NormKind::kRms) ||
+                                      (kWeighted && sizeof(W) == 2)));
   constexpr int kPre = kPreload ? CACHED : 1;
   Vec<W, VEC> pre_w[kPre];
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
@@ -264,6 +278,10 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
 
 template <typename T, typename W, typename O>
 NormParams<T, W, O> make_params(const NormArgs& a) {
+  // Rows find their (batch, token) operands by a 32-bit division.
+  const bool per_row_operands = a.scale.ptr != nullptr || a.gate.ptr != nullptr;
+  TORCH_CHECK(!per_row_operands || a.rows <= INT32_MAX, "norm: AdaLN and the gated residual take at most 2^31 - 1 ",
+              "rows on CUDA, got ", a.rows);
   return {static_cast<O*>(a.out),
           static_cast<T*>(a.residual_out),
           reinterpret_cast<float2*>(a.stats),
@@ -275,7 +293,7 @@ NormParams<T, W, O> make_params(const NormArgs& a) {
           static_cast<const T*>(a.shift.ptr),
           a.gate.batch_stride, a.gate.token_stride, a.scale.batch_stride, a.scale.token_stride,
           a.shift.batch_stride, a.shift.token_stride,
-          a.rows, a.tokens,
+          a.rows, IntDivider(per_row_operands ? a.tokens : 1),
           a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
           static_cast<int>(a.cols),
           a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
@@ -325,7 +343,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
   const NormParams<T, W, O> p = make_params<T, W, O>(a);
   auto run = [&](auto kernel) {
-    kernel<<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+    kernel<<<blocks, cfg.block, 0, stream>>>(p, __builtin_ctz(cfg.threads_per_row));
     check_launch();
   };
   if constexpr (RESIDUAL) {
