@@ -60,20 +60,12 @@ constexpr bool kModulatedPreload = true;
 #endif
 // Plain norms' rows of at most 128 vectors (D <= 1024 in 16 bits, 512 in fp32: per-head
 // and small models' norms) take two vectors a thread at any batch: the two-vector kernel's
-// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN
-// LayerNorm's only up to 16 vectors: wider, it lost so. H200, four vectors / two: rms_norm
-// bf16 648720x128 84.9 / 81.7 us, 162180x512 83.3 / 80.6, 81090x1024 84.8 / 81.7,
-// 163840x1024 168.4 / 162.1, fp32 81090x512 84.8 / 82.6; adaln rms [8,40544,128] 50.3 /
-// 46.2 (layer 51.3 / 51.4), layer [8,10136,1024] 92.0 / 97.2, [8,20272,512] 90.9 / 95.2.
-// AdaLN RMS's too since its scale and shift load with the row (sm_90), when the row fills
-// its threads (a power of two of vectors): [2,8192,1024] 21.3 / 18.7 us (Liger 19.2),
-// [8,10136,1024] 90.4 / 82.9 (Liger 84.9), [8,20272,512] 90.1 / 82.2; with 96 vectors,
-// half the threads holding one, [2,16384,768] 29.2 / 31.5.
-constexpr bool two_vec_any_batch(NormKind kind, bool modulate, int64_t nvec) {
-  if (!modulate) return nvec <= 128;
-  const bool fills_threads = (nvec & (nvec - 1)) == 0;
-  return nvec <= 16 || (kind == NormKind::kRms && nvec <= 128 && fills_threads);
-}
+// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN's
+// only up to 16 vectors: wider, it lost so. H200, four vectors / two: rms_norm bf16
+// 648720x128 84.9 / 81.7 us, 162180x512 83.3 / 80.6, 81090x1024 84.8 / 81.7, 163840x1024
+// 168.4 / 162.1, fp32 81090x512 84.8 / 82.6; adaln rms [8,40544,128] 50.3 / 46.2 (layer
+// 51.3 / 51.4), [8,20272,512] 88.0-89.1 / 89.6-90.7, layer [8,10136,1024] 94.0 / 107.1.
+constexpr int two_vec_any_batch_vecs(bool modulate) { return modulate ? 16 : 128; }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kTwoVecMinBlocks = 4;  // 1024 threads per SM
 #else
@@ -337,7 +329,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
       (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sms)) {
     cached = 1;
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
-             (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(KIND, MODULATE, nvec))) {
+             (a.rows < kTwoVecRowsPerSm * sms || nvec <= two_vec_any_batch_vecs(MODULATE))) {
     cached = 2;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one

@@ -102,8 +102,8 @@ def test_fused_add_rms_norm_in_place(kernel, device, dtype):
     # four-vector launch on CUDA; many_narrow_rows: as many rows of 16 vectors in 16 bits,
     # which take two vectors a thread at any batch. The other shapes have too few rows.
     # ragged_*: rows of 192 vectors on 128 threads (the two-vector launch), half of the
-    # threads without a second vector. many_rows_d1024: as many rows of 128 vectors (two
-    # vectors a thread at any batch for AdaLN RMS, four for LayerNorm).
+    # threads without a second vector. many_rows_d1024: as many rows of 128 vectors (the
+    # four-vector launch).
     ids=["per_batch", "per_batch_3d", "per_token", "shared", "2d", "odd_d", "long_rows", "many_rows",
          "many_narrow_rows", "ragged_per_batch", "ragged_per_token", "many_rows_d1024"],
 )
