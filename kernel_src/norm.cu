@@ -39,20 +39,26 @@ constexpr int kOneVecMinBlocks = 4;  // sm_75 holds 1024 threads per SM (64 regi
 #else
 constexpr int kOneVecMinBlocks = 5;
 #endif
-// Rows without a residual, of at most 2 * kTwoVecThreads vectors (D <= 4096 in 16 bits),
-// take two vectors a thread below kTwoVecRowsPerSm rows per SM: twice the threads a row of
-// the four-vector launch has, each with its write operands (a 16-bit weight) loaded
-// before the reduction, in at most 40 registers (six 256-thread blocks per SM). H200, one
-// build, four vectors (one below two rows per SM) / two: rms_norm bf16 128x4096 3.3 /
-// 3.0 us, 1024x2048 5.5 / 4.5 us, 4096x4096 20.5 / 19.7 us, 8192x4096 36.7 / 36.5 us;
-// adaln rms [2,2688,2048] 16.6 / 14.9 us. From 64 rows per SM four are faster (rms_norm
-// 32768x4096 134.6 / 137.9 us, adaln rms [2,21504,2048] 89.3 / 99.9 us). fp32 operands
-// stay unloaded: they took 42-50 registers, and fp32 8192x4096 83.2 us against 69.0.
-constexpr int kTwoVecThreads = 256;
+// Rows without a residual, of at most 2 * kTwoVecThreads vectors (D <= 8192 in 16 bits,
+// 4096 in fp32), take two vectors a thread below kTwoVecRowsPerSm rows per SM: twice the
+// threads a row of the four-vector launch has, each with its write operands (a weight of
+// 16-byte vectors: 16-bit, or fp32 with fp32 input) loaded before the reduction, in at
+// most 40 registers (1536 threads per SM). H200, one build, four vectors (one below two
+// rows per SM) / two: rms_norm bf16 128x4096 3.3 / 3.0 us, 1024x2048 5.5 / 4.5 us,
+// 4096x4096 20.5 / 19.7 us, 8192x4096 36.7 / 36.5 us; adaln rms [2,2688,2048] 16.6 / 14.9
+// us. From 64 rows per SM four are faster (rms_norm 32768x4096 134.6 / 137.9 us, adaln rms
+// [2,21504,2048] 89.3 / 99.9 us). Rows of 512 threads (D > 4096 in 16 bits, 2048 in fp32),
+// one build, four vectors / two: rms_norm bf16 128x8192 4.29 / 3.78 us (Liger 3.47),
+// 32x8192 3.61 / 3.02, 2048x8192 20.90 / 20.49, 4096x8192 37.18 / 38.14 (Liger 36.50);
+// fp32 128x4096 4.13 / 3.59 (Liger 3.27), 2048x4096 20.04 / 19.02, 4096x4096 36.54 / 35.36,
+// 8192x4096 69.17 / 68.70. The fp32 weight's preload, against the previous build: fp32
+// 1024x2048 6.62 -> 6.22 us (Liger 6.12), 128x2048 3.34 -> 2.82. An fp32 weight of a
+// 16-bit input (32-byte vectors) stays unloaded: 42-50 registers.
+constexpr int kTwoVecThreads = 512;
 constexpr int kTwoVecRowsPerSm = 64;
-// AdaLN RMS's scale and shift load with the two cached vectors on sm_90 (H200, bf16,
-// [2,2688,2048]: 15.0 -> 14.0 us, as Liger's); compiled for sm_80, the fp16 kernel then
-// spills at the 40-register bound.
+// AdaLN RMS's scale and shift load with the two cached vectors on sm_90, in 16 bits (H200,
+// bf16, [2,2688,2048]: 15.0 -> 14.0 us, as Liger's); compiled for sm_80, the fp16 kernel
+// then spills at the 40-register bound, and so does the fp32 kernel on sm_90.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr bool kModulatedPreload = false;
 #else
@@ -60,16 +66,24 @@ constexpr bool kModulatedPreload = true;
 #endif
 // Plain norms' rows of at most 128 vectors (D <= 1024 in 16 bits, 512 in fp32: per-head
 // and small models' norms) take two vectors a thread at any batch: the two-vector kernel's
-// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN's
-// only up to 16 vectors: wider, it lost so. H200, four vectors / two: rms_norm bf16
-// 648720x128 84.9 / 81.7 us, 162180x512 83.3 / 80.6, 81090x1024 84.8 / 81.7, 163840x1024
-// 168.4 / 162.1, fp32 81090x512 84.8 / 82.6; adaln rms [8,40544,128] 50.3 / 46.2 (layer
-// 51.3 / 51.4), [8,20272,512] 88.0-89.1 / 89.6-90.7, layer [8,10136,1024] 94.0 / 107.1.
-constexpr int two_vec_any_batch_vecs(bool modulate) { return modulate ? 16 : 128; }
+// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN
+// LayerNorm's only up to 16 vectors: wider, it lost so. H200, four vectors / two: rms_norm
+// bf16 648720x128 84.9 / 81.7 us, 162180x512 83.3 / 80.6, 81090x1024 84.8 / 81.7,
+// 163840x1024 168.4 / 162.1, fp32 81090x512 84.8 / 82.6; adaln rms [8,40544,128] 50.3 /
+// 46.2 (layer 51.3 / 51.4), layer [8,10136,1024] 92.0 / 97.2, [8,20272,512] 90.9 / 95.2.
+// AdaLN RMS's too since its scale and shift load with the row (sm_90), when the row fills
+// its threads (a power of two of vectors): [2,8192,1024] 21.3 / 18.7 us (Liger 19.2),
+// [8,10136,1024] 90.4 / 82.9 (Liger 84.9), [8,20272,512] 90.1 / 82.2; with 96 vectors,
+// half the threads holding one, [2,16384,768] 29.2 / 31.5.
+constexpr bool two_vec_any_batch(NormKind kind, bool modulate, int64_t nvec) {
+  if (!modulate) return nvec <= 128;
+  const bool fills_threads = (nvec & (nvec - 1)) == 0;
+  return nvec <= 16 || (kind == NormKind::kRms && nvec <= 128 && fills_threads);
+}
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
-constexpr int kTwoVecMinBlocks = 4;  // 1024 threads per SM
+constexpr int kTwoVecMinBlocks = 2;  // 1024 threads per SM
 #else
-constexpr int kTwoVecMinBlocks = 6;
+constexpr int kTwoVecMinBlocks = 3;
 #endif
 
 // What an instantiation fuses around the norm (unused operands compile away):
@@ -114,7 +128,7 @@ constexpr int bound_min_blocks(int cached) {
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bound_min_blocks(CACHED))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
   // shifts and masks ahead of the loads.
   const int threads_per_row = 1 << row_shift;
@@ -176,8 +190,8 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
   // write operands of the cached vectors load with them, so that their latency overlaps the
   // row's rather than following the reduction.
   constexpr bool kPreload =
-      CACHED == 1 || (CACHED == 2 && ((kModulatedPreload && MODULATE && KIND == NormKind::kRms) ||
-                                      (kWeighted && sizeof(W) == 2)));
+      CACHED == 1 || (CACHED == 2 && ((kModulatedPreload && MODULATE && KIND == NormKind::kRms && sizeof(T) == 2) ||
+                                      (kWeighted && VEC * sizeof(W) == 16)));
   constexpr int kPre = kPreload ? CACHED : 1;
   Vec<W, VEC> pre_w[kPre];
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
@@ -214,7 +228,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
     return;
   } else {
     float mean = 0.f;
-    float sum_sq = row_sum(acc, threads_per_row, scratch);
+    float sum_sq = row_sum(acc, threads_per_row, scratch[0]);
     if constexpr (KIND == NormKind::kLayer) {
       mean = sum_sq * p.inv_cols;
       acc = 0.f;
@@ -226,7 +240,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
       for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
         acc += sum_of(load_vec<T, VEC>(reread, i), mean, true);
       }
-      sum_sq = row_sum(acc, threads_per_row, scratch);
+      sum_sq = row_sum(acc, threads_per_row, scratch[1]);
     }
     if (!active) return;
     const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
@@ -329,7 +343,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
       (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sms)) {
     cached = 1;
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
-             (a.rows < kTwoVecRowsPerSm * sms || nvec <= two_vec_any_batch_vecs(MODULATE))) {
+             (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(KIND, MODULATE, nvec))) {
     cached = 2;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
