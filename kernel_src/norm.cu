@@ -27,8 +27,8 @@ constexpr int kCachedVecs = 4;
 // kLayerFourVecRowsPerSm). Rows without a residual were slower so (adaln rms
 // [2,21504,2048] 94 -> 137 us, rms_norm 5376x2048 13.2 -> 15.9 us).
 constexpr int kOneVecThreads = 256;
-// LayerNorm takes two row reductions, each a barrier pair that a one-vector row (256
-// threads at D = 2048) waits at with no loads in flight, where a four-vector row has 64
+// LayerNorm takes two row reductions, each a barrier that a one-vector row (256 threads
+// at D = 2048) waits at with no loads in flight, where a four-vector row has 64
 // threads. From this many rows per SM its four-vector launch is faster. H200, bf16,
 // gated_residual_adaln layer, one vector against four: [2,5376,2048] 57.4 / 60.5 us,
 // [2,10752,2048] 110.5 / 109.2 us, [2,21504,2048] 216.5 / 207.1 us (RMSNorm's one vector
@@ -186,9 +186,9 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
   // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
   constexpr bool kWeighted = !MODULATE;
   const bool weighted = kWeighted && p.weight != nullptr;
-  // One vector a thread, or two with a 16-bit weight (or AdaLN RMS's scale and shift): the
-  // write operands of the cached vectors load with them, so that their latency overlaps the
-  // row's rather than following the reduction.
+  // One vector a thread, or two with a weight of 16-byte vectors (or, on sm_90, AdaLN RMS's
+  // 16-bit scale and shift): the write operands of the cached vectors load with them, so
+  // that their latency overlaps the row's rather than following the reduction.
   constexpr bool kPreload =
       CACHED == 1 || (CACHED == 2 && ((kModulatedPreload && MODULATE && KIND == NormKind::kRms && sizeof(T) == 2) ||
                                       (kWeighted && VEC * sizeof(W) == 16)));
@@ -348,7 +348,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
   // vector per thread of the four-vector kernel spreads each row over more threads
-  // (128x8192 bf16 takes 1024-thread rows; large batches want four: 36 us against 70 us
+  // (128x16384 bf16 takes 1024-thread rows; large batches want four: 36 us against 70 us
   // at 8192x4096).
   const int per_thread = cached == kCachedVecs && !many_rows ? 1 : cached;
   const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE));

@@ -13,7 +13,7 @@ LOW = [torch.float16, torch.bfloat16]
 # (rows, D): vector paths of each launch shape, odd D (scalar path), per-head D; 300 rows
 # take the large-batch launch on CUDA, where the residual variants' rows of up to 256
 # vectors take one vector a thread (1800: lanes past the row's 225 16-bit vectors idle)
-# and the others' rows of up to 512 two (under 64 rows per SM; test_rms_norm's 100000
+# and the others' rows of up to 1024 two (under 64 rows per SM; test_rms_norm's 100000
 # rows take four).
 SHAPES = [(1, 64), (37, 128), (33, 1000), (5, 1536), (64, 2048), (3, 4096), (2, 65536), (9, 1001),
           (300, 1000), (300, 1800)]
