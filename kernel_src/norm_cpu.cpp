@@ -143,8 +143,9 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A
     }
     const bool layer = a.kind == NormKind::kLayer;
     const bool normed_row = a.kind != NormKind::kNone;  // kNone: n = x, dx = dn
-    // The forward's statistics (fp32), or computed here.
-    const float* saved = a.stats != nullptr ? a.stats + 2 * r : nullptr;
+    // The forward's statistics (fp32), or computed here: float64 rows always recompute, as
+    // fp32 statistics would leave their grads fp32-accurate.
+    const float* saved = a.stats != nullptr && !std::is_same_v<A, double> ? a.stats + 2 * r : nullptr;
     const A mean = saved != nullptr ? saved[0] : layer ? sum_of<A>(centred.data(), n, 0, false) * inv_cols : 0;
     for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
     const A rstd = saved != nullptr ? saved[1]

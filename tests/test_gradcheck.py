@@ -25,8 +25,6 @@ def leaves(*shapes, scale=1.0, offset=0.0):
 
 
 def check(fn, inputs):
-    # gradcheck's default tolerances (atol 1e-5, rtol 1e-3): AdaLN's backward reads the
-    # row statistics its forward saved, which are fp32 for every input dtype.
     assert torch.autograd.gradcheck(fn, inputs)
 
 
@@ -113,6 +111,31 @@ def test_float64_forward_is_double_precision(kernel):
     for ours, expected in pairs:
         assert ours.dtype == D64
         torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_float64_backward_is_double_precision(kernel, norm):
+    """AdaLN's backward in float64 recomputes the row statistics rather than read the fp32
+    ones its forward saves: its grads are the fp64 reference's to rounding."""
+    x, sc, sh = leaves((3, 5, 24), (3, 1, 24), (3, 1, 24))
+    residual, gate = leaves((3, 5, 24), (3, 1, 24))
+    grad_out = torch.randn(3, 5, 24, dtype=D64)
+
+    def gated(residual, x, gate, sc, sh):
+        total = residual + x * gate
+        return total, adaln_ref(total, sc, sh, 1e-6, norm)
+
+    cases = [
+        (lambda x, sc, sh: kernel.adaln(x, sc, sh, 1e-6, norm=norm),
+         lambda x, sc, sh: adaln_ref(x, sc, sh, 1e-6, norm), (x, sc, sh)),
+        (lambda *a: kernel.gated_residual_adaln(*a, 1e-6, norm=norm)[1], lambda *a: gated(*a)[1],
+         (residual, x, gate, sc, sh)),
+    ]
+    for ours, reference, inputs in cases:
+        got = torch.autograd.grad(ours(*inputs), inputs, grad_out)
+        expected = torch.autograd.grad(reference(*inputs), inputs, grad_out)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
 
 
 def test_float64_takes_no_float32_beside_it(kernel):
