@@ -58,11 +58,16 @@ constexpr int kTwoVecThreads = 512;
 constexpr int kTwoVecRowsPerSm = 64;
 // AdaLN RMS's scale and shift load with the two cached vectors on sm_90, in 16 bits (H200,
 // bf16, [2,2688,2048]: 15.0 -> 14.0 us, as Liger's); compiled for sm_80, the fp16 kernel
-// then spills at the 40-register bound, and so does the fp32 kernel on sm_90.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-constexpr bool kModulatedPreload = false;
+// then spills at the 40-register bound, and so does the fp32 kernel on sm_90. `arch` is
+// __CUDA_ARCH__ in the kernel and the device's compute capability x 100 on the host.
+template <typename T>
+__host__ __device__ constexpr bool modulated_preload(int arch, NormKind kind) {
+  return arch >= 900 && kind == NormKind::kRms && sizeof(T) == 2;
+}
+#ifdef __CUDA_ARCH__
+constexpr int kDeviceArch = __CUDA_ARCH__;
 #else
-constexpr bool kModulatedPreload = true;
+constexpr int kDeviceArch = 0;  // the host pass: no kernel body runs there
 #endif
 // Plain norms' rows of at most 128 vectors (D <= 1024 in 16 bits, 512 in fp32: per-head
 // and small models' norms) take two vectors a thread at any batch: the two-vector kernel's
@@ -71,14 +76,14 @@ constexpr bool kModulatedPreload = true;
 // bf16 648720x128 84.9 / 81.7 us, 162180x512 83.3 / 80.6, 81090x1024 84.8 / 81.7,
 // 163840x1024 168.4 / 162.1, fp32 81090x512 84.8 / 82.6; adaln rms [8,40544,128] 50.3 /
 // 46.2 (layer 51.3 / 51.4), layer [8,10136,1024] 92.0 / 97.2, [8,20272,512] 90.9 / 95.2.
-// AdaLN RMS's too since its scale and shift load with the row (sm_90), when the row fills
-// its threads (a power of two of vectors): [2,8192,1024] 21.3 / 18.7 us (Liger 19.2),
-// [8,10136,1024] 90.4 / 82.9 (Liger 84.9), [8,20272,512] 90.1 / 82.2; with 96 vectors,
-// half the threads holding one, [2,16384,768] 29.2 / 31.5.
-constexpr bool two_vec_any_batch(NormKind kind, bool modulate, int64_t nvec) {
+// AdaLN RMS's too where its scale and shift load with the row (`modulated_preload`), when
+// the row fills its threads (a power of two of vectors): [2,8192,1024] 21.3 / 18.7 us
+// (Liger 19.2), [8,10136,1024] 90.4 / 82.9 (Liger 84.9), [8,20272,512] 90.1 / 82.2; with 96
+// vectors, half the threads holding one, [2,16384,768] 29.2 / 31.5.
+constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_t nvec) {
   if (!modulate) return nvec <= 128;
   const bool fills_threads = (nvec & (nvec - 1)) == 0;
-  return nvec <= 16 || (kind == NormKind::kRms && nvec <= 128 && fills_threads);
+  return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kTwoVecMinBlocks = 2;  // 1024 threads per SM
@@ -190,7 +195,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bou
   // 16-bit scale and shift): the write operands of the cached vectors load with them, so
   // that their latency overlaps the row's rather than following the reduction.
   constexpr bool kPreload =
-      CACHED == 1 || (CACHED == 2 && ((kModulatedPreload && MODULATE && KIND == NormKind::kRms && sizeof(T) == 2) ||
+      CACHED == 1 || (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) ||
                                       (kWeighted && VEC * sizeof(W) == 16)));
   constexpr int kPre = kPreload ? CACHED : 1;
   Vec<W, VEC> pre_w[kPre];
@@ -337,13 +342,16 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / vec;
   const int64_t sms = sm_count(a.device.index());
   const bool many_rows = two_rows_per_sm(a.rows, a.device.index());
+  const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
+                   10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
+  const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
   // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).
   int cached = kCachedVecs;
   if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads &&
       (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sms)) {
     cached = 1;
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
-             (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(KIND, MODULATE, nvec))) {
+             (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
     cached = 2;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one

@@ -98,16 +98,18 @@ def test_fused_add_rms_norm_in_place(kernel, device, dtype):
      ((3, 5, 2048), (512 * 4,)), ((4, 1000), (4, 1000)), ((2, 9, 1001), (2, 1, 1001)),
      ((1, 3, 65536), (1, 65536)), ((2, 4300, 2048), (2, 1, 2048)), ((2, 4300, 128), (2, 1, 128)),
      ((2, 40, 1536), (2, 1, 1536)), ((2, 40, 1536), (2, 40, 1536)), ((2, 4300, 1024), (2, 1, 1024)),
-     ((2, 40, 6144), (2, 1, 6144))],
+     ((2, 40, 6144), (2, 1, 6144)), ((2, 40, 3072), (2, 1, 3072))],
     # many_rows: LTX's row width with enough rows (64 per SM up to 134 SMs) for the
     # four-vector launch on CUDA; many_narrow_rows: as many rows of 16 vectors in 16 bits,
     # which take two vectors a thread at any batch. The other shapes have too few rows.
     # ragged_*: rows of 192 vectors on 128 threads (the two-vector launch), half of the
     # threads without a second vector. many_rows_d1024: as many rows of 128 vectors (two
-    # vectors a thread at any batch for AdaLN RMS, four for LayerNorm). ragged_wide: 768
-    # vectors in 16 bits on the two-vector launch's 512 threads.
+    # vectors a thread at any batch for AdaLN RMS in 16 bits on sm_90, four otherwise). ragged_wide: 768
+    # vectors in 16 bits on the two-vector launch's 512 threads; ragged_wide_fp32: as many
+    # in fp32 (384 on 256 threads in 16 bits).
     ids=["per_batch", "per_batch_3d", "per_token", "shared", "2d", "odd_d", "long_rows", "many_rows",
-         "many_narrow_rows", "ragged_per_batch", "ragged_per_token", "many_rows_d1024", "ragged_wide"],
+         "many_narrow_rows", "ragged_per_batch", "ragged_per_token", "many_rows_d1024", "ragged_wide",
+         "ragged_wide_fp32"],
 )
 def test_adaln(kernel, device, x_shape, mod_shape, dtype, norm):
     x = make(x_shape, dtype, device, scale=2.0) + 0.5  # an offset mean: LayerNorm must centre
