@@ -37,7 +37,7 @@ struct RopeParams {
   const C* cos;  // [B or 1, S, R]
   const C* sin;
   int64_t table_b, table_s;
-  int64_t seq;
+  IntDivider seq;  // block x is token (x / seq, x % seq); B * S < 2^31 (the grid's bound)
   int head_dim, rotary_dim;
   bool inverse;
 };
@@ -142,8 +142,8 @@ struct UnitTables {
 template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED, int HEADS, bool WHOLE_GROUPS>
 __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWholeGroupsMinBlocks : 0)
     rope_kernel(const RopeParams<T, C> p) {
-  const int64_t b = blockIdx.x / p.seq;
-  const int64_t s = blockIdx.x - b * p.seq;
+  const uint32_t b = p.seq.div(blockIdx.x);
+  const uint32_t s = blockIdx.x - b * p.seq.divisor;
   const C* cos = p.cos + b * p.table_b + s * p.table_s;
   const C* sin = p.sin + b * p.table_b + s * p.table_s;
   const TokenRows<T> rows(p.q, p.k, b, s);
@@ -221,11 +221,12 @@ void launch_with(const RopeArgs& a, cudaStream_t stream) {
   while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
   const int ty = static_cast<int>(std::min<int64_t>((heads + HEADS - 1) / HEADS, max_block(WHOLE_GROUPS) / tx));
-  const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
-                           a.table_b, a.table_s, a.seq, static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim),
-                           a.inverse};
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
+  TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
+  const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
+                           a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
+                           static_cast<int>(a.rotary_dim), a.inverse};
   constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
   rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<blocks, dim3(tx, ty), 0, stream>>>(p);
   check_launch();
@@ -272,7 +273,10 @@ struct QkNormRopeParams {
   const C* cos;  // [B or 1, S, C]
   const C* sin;
   int64_t q_stride, k_stride, q_out_stride, k_out_stride, table_b, table_s;
-  int64_t rows, seq;  // rows = B * S per tensor
+  uint32_t rows, seq;  // rows = B * S per tensor; 2 * rows < 2^31
+  // Pair p (q and k row of one token) is (major, minor) = (p / pairs, p % pairs): (s, b)
+  // token-major (pairs = B), else (b, s) (pairs = S).
+  IntDivider pairs;
   int channels;
   float eps, inv_channels;
 };
@@ -288,19 +292,22 @@ constexpr int kQkMaxBlock = 512;  // fp32 tables need more than the 64 registers
 // order the rows token-major, (s, b, q/k), so all 2B rows of a token read its table row
 // while it is in L2.
 template <typename T, typename C, int VEC, bool ALIGNED>
-__global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormRopeParams<T, C> p, int threads_per_row) {
+__global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormRopeParams<T, C> p, int row_shift) {
   __shared__ float scratch[32];
-  const int rows_per_block = blockDim.x / threads_per_row;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
-  const int t = threadIdx.x % threads_per_row;
+  // Rows take a power of two of threads, passed as its log: the row's offsets are shifts,
+  // masks and one multiply-high ahead of the loads.
+  const int threads_per_row = 1 << row_shift;
+  const uint32_t row = blockIdx.x * (blockDim.x >> row_shift) + (threadIdx.x >> row_shift);
+  const int t = threadIdx.x & (threads_per_row - 1);
   const bool active = row < 2 * p.rows;  // inactive threads still join the reduction
   const bool is_q = row % 2 == 0;
-  const int64_t pair = active ? row / 2 : 0;
-  const int64_t batch = p.rows / p.seq;
+  const uint32_t pair = active ? row / 2 : 0;
+  const uint32_t major = p.pairs.div(pair);
+  const uint32_t minor = pair - major * p.pairs.divisor;
   const bool token_major = p.table_b == 0;
-  const int64_t b = token_major ? pair % batch : pair / p.seq;
-  const int64_t s = token_major ? pair / batch : pair - b * p.seq;
-  const int64_t r = b * p.seq + s;
+  const uint32_t b = token_major ? minor : major;
+  const uint32_t s = token_major ? major : minor;
+  const int64_t r = static_cast<int64_t>(b) * p.seq + s;
   const T* x = is_q ? p.q + r * p.q_stride : p.k + r * p.k_stride;
   T* y = is_q ? p.q_out + r * p.q_out_stride : p.k_out + r * p.k_out_stride;
   const T* w = is_q ? p.q_weight : p.k_weight;
@@ -362,18 +369,22 @@ void launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   const RowLaunch cfg = row_launch(a.channels / vec, kQkCachedVecs, kQkMaxBlock);
   TORCH_CHECK(static_cast<int64_t>(cfg.threads_per_row) * kQkCachedVecs * vec >= a.channels,
               "qk_norm_rope: C = ", a.channels, " is too wide for the kernel's registers with these alignments");
+  const int64_t rows = a.batch * a.seq;
+  TORCH_CHECK(2 * rows <= INT32_MAX, "qk_norm_rope: at most 2^30 - 1 tokens (B * S) on CUDA, got ", rows);
   const QkNormRopeParams<T, C> p{static_cast<T*>(a.q_out), static_cast<T*>(a.k_out), static_cast<const T*>(a.q),
                                  static_cast<const T*>(a.k), static_cast<const T*>(a.q_weight),
                                  static_cast<const T*>(a.k_weight), static_cast<const C*>(a.cos),
                                  static_cast<const C*>(a.sin), a.q_stride, a.k_stride, a.q_out_stride,
-                                 a.k_out_stride, a.table_b, a.table_s, a.batch * a.seq, a.seq,
+                                 a.k_out_stride, a.table_b, a.table_s, static_cast<uint32_t>(rows),
+                                 static_cast<uint32_t>(a.seq), IntDivider(a.table_b == 0 ? a.batch : a.seq),
                                  static_cast<int>(a.channels), a.eps, a.inv_channels};
   const int rows_per_block = cfg.block / cfg.threads_per_row;
-  const int64_t blocks = (2 * p.rows + rows_per_block - 1) / rows_per_block;
+  const int64_t blocks = (2 * rows + rows_per_block - 1) / rows_per_block;
+  const int row_shift = __builtin_ctz(cfg.threads_per_row);
   if (vector) {
-    qk_norm_rope_kernel<T, C, V, true><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+    qk_norm_rope_kernel<T, C, V, true><<<blocks, cfg.block, 0, stream>>>(p, row_shift);
   } else {
-    qk_norm_rope_kernel<T, C, 2, false><<<blocks, cfg.block, 0, stream>>>(p, cfg.threads_per_row);
+    qk_norm_rope_kernel<T, C, 2, false><<<blocks, cfg.block, 0, stream>>>(p, row_shift);
   }
   check_launch();
 }
