@@ -54,11 +54,12 @@ def test_misaligned_pointers(kernel, device, dtype):
     assert_close(kernel.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype)
 
 
+# D = 512 in 16 bits shares 128-thread blocks between rows on CUDA; 2048 takes a block a row.
+@pytest.mark.parametrize("d", [512, 2048])
 @pytest.mark.parametrize("pad", [8, 1], ids=["aligned_stride", "odd_stride"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strided_rows(kernel, device, dtype, pad):
+def test_strided_rows(kernel, device, dtype, pad, d):
     """A slice such as qkv[..., :D] is normalised in place of a copy."""
-    d = 512
     wide = make((3, 11, d + pad), dtype, device)
     x = wide[..., :d]
     w = make((d,), dtype, device)
@@ -85,15 +86,17 @@ def test_in_place(kernel, device, dtype):
     assert_close(x, expected, dtype)
 
 
+@pytest.mark.parametrize("d, weighted", [(256, False), (2048, True)], ids=["d256_no_weight", "d2048_weight"])
 @pytest.mark.parametrize("out_strided", [False, True])
-def test_strided_out(kernel, device, out_strided):
-    x = make((5, 256), torch.bfloat16, device)
-    wide = torch.full((5, 256 + 8 * out_strided), float("nan"), dtype=torch.bfloat16, device=device)
-    out = wide[:, :256]
-    kernel.rms_norm(x, None, 1e-6, out=out)
-    assert_close(out, rms_norm_ref(x, None, 1e-6), torch.bfloat16)
+def test_strided_out(kernel, device, out_strided, d, weighted):
+    x = make((5, d), torch.bfloat16, device)
+    w = make((d,), torch.bfloat16, device) if weighted else None
+    wide = torch.full((5, d + 8 * out_strided), float("nan"), dtype=torch.bfloat16, device=device)
+    out = wide[:, :d]
+    kernel.rms_norm(x, w, 1e-6, out=out)
+    assert_close(out, rms_norm_ref(x, w, 1e-6), torch.bfloat16)
     if out_strided:
-        assert wide[:, 256:].isnan().all(), "wrote past the out rows"
+        assert wide[:, d:].isnan().all(), "wrote past the out rows"
 
 
 @pytest.mark.parametrize("shape", [(0, 128), (2, 0, 64), (0, 1)], ids=str)
