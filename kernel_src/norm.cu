@@ -404,7 +404,9 @@ void launch_rms_norm_rows(const NormArgs& a, int block, cudaStream_t stream) {
     check_launch();
   };
   // Rounding an fp32 row to fp32 changes nothing: no second fp32 instantiation.
-  if (sizeof(T) == 2 && a.cast_before_weight) return run(rms_norm_row_kernel<T, W, O, VEC, sizeof(T) == 2>);
+  if constexpr (sizeof(T) == 2) {
+    if (a.cast_before_weight) return run(rms_norm_row_kernel<T, W, O, VEC, true>);
+  }
   run(rms_norm_row_kernel<T, W, O, VEC, false>);
 }
 
