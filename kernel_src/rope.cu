@@ -1,4 +1,5 @@
-// RoPE on CUDA (see rope.h): one block per (b, s) token rotates every head of q and k;
+// RoPE on CUDA (see rope.h): one block per (b, s) token (or per group of its heads, see
+// launch) rotates every head of q and k;
 // each thread loads the token's cos/sin for its unit of N channels once (8- or 16-byte
 // vectors where alignment allows) and applies them to the heads it owns, so the tables
 // are read once per token, not once per head.
@@ -132,9 +133,9 @@ struct UnitTables {
   }
 };
 
-// One block per (b, s) token. threadIdx.x walks the head's units of N channels (pairs at i
-// and i + R/2 for rotate-half, N/2 adjacent pairs for interleaved); threadIdx.y walks
-// groups of HEADS heads (q's, then k's). A thread issues its first heads' loads before
+// One block per (b, s) token and blockIdx.y. threadIdx.x walks the head's units of N channels
+// (pairs at i and i + R/2 for rotate-half, N/2 adjacent pairs for interleaved); the rows of
+// threads of the token's gridDim.y blocks walk groups of HEADS heads (q's, then k's). A thread issues its first heads' loads before
 // the tables' (which every head row of the block shares, so they mostly hit L1/L2), so
 // DRAM latency is paid once; it converts the tables once for all the heads it rotates.
 // WHOLE_GROUPS: q's and k's head counts are multiples of HEADS, so a thread's heads lie in
@@ -155,7 +156,8 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
   for (int u = threadIdx.x; u < rotary_units; u += blockDim.x) {
     const int i = u * N;
     UnitTables<N, INTERLEAVED> tables;
-    for (int h0 = threadIdx.y * HEADS; h0 < heads; h0 += blockDim.y * HEADS) {
+    const int first = (blockIdx.y * blockDim.y + threadIdx.y) * HEADS;
+    for (int h0 = first; h0 < heads; h0 += gridDim.y * blockDim.y * HEADS) {
       const auto group = rows.group(h0);  // used only with WHOLE_GROUPS
       auto row_in = [&](int j) { return WHOLE_GROUPS ? group.in + j * group.in_h : rows.in(h0 + j); };
       auto row_out = [&](int j) { return WHOLE_GROUPS ? group.out + j * group.out_h : rows.out(h0 + j); };
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
         x1[j] = load_n<T, N, ALIGNED>(in + i);
         if constexpr (!INTERLEAVED) x2[j] = load_n<T, N, ALIGNED>(in + i + second);
       }
-      if (h0 == threadIdx.y * HEADS) tables.template load<C, ALIGNED>(cos, sin, i, second, p.inverse);
+      if (h0 == first) tables.template load<C, ALIGNED>(cos, sin, i, second, p.inverse);
 #pragma unroll
       for (int j = 0; j < HEADS; ++j) {
         if (!WHOLE_GROUPS && h0 + j >= heads) continue;
@@ -180,7 +182,7 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
     }
   }
   // Channels past the rotary dim pass through (nothing to do in place).
-  for (int h = threadIdx.y; h < heads; h += blockDim.y) {
+  for (int h = blockIdx.y * blockDim.y + threadIdx.y; h < heads; h += gridDim.y * blockDim.y) {
     const T* in = rows.in(h);
     T* out = rows.out(h);
     if (out == in) continue;
@@ -213,14 +215,15 @@ bool vectorizable(const RopeArgs& a) {
 }
 
 template <typename T, typename C, bool INTERLEAVED, int N, int HEADS, bool WHOLE_GROUPS = false>
-void launch_with(const RopeArgs& a, cudaStream_t stream) {
+void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   // Threads over the units of a head first, then one row of threads per HEADS heads (up
-  // to the kernel's block bound).
+  // to the kernel's block bound), the heads spread over head_blocks blocks a token.
   const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / N;
   int tx = 1;
   while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
-  const int ty = static_cast<int>(std::min<int64_t>((heads + HEADS - 1) / HEADS, max_block(WHOLE_GROUPS) / tx));
+  const int64_t groups = (heads + HEADS - 1) / HEADS;
+  const int ty = static_cast<int>(std::min<int64_t>((groups + head_blocks - 1) / head_blocks, max_block(WHOLE_GROUPS) / tx));
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
   TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
@@ -228,7 +231,7 @@ void launch_with(const RopeArgs& a, cudaStream_t stream) {
                            a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
                            static_cast<int>(a.rotary_dim), a.inverse};
   constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
-  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<blocks, dim3(tx, ty), 0, stream>>>(p);
+  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<dim3(blocks, head_blocks), dim3(tx, ty), 0, stream>>>(p);
   check_launch();
 }
 
@@ -245,7 +248,9 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     // flight and converts its four table vectors once for four heads (H200,
     // q[1,32,8192,128] bf16: 47 us against 65 us with 16-byte units of one head).
     // Few tokens: one head per thread spreads a token over more threads
-    // (q[1,32,128,128]: 3.3 us against 3.8 us). fp32 takes the same units: 90 us, where
+    // (q[1,32,128,128]: 3.3 us against 3.8 us), and its heads over two blocks over more
+    // SMs (q[1,32,S,128], k 8 heads, S = 128: 3.29 -> 3.20 us, Liger 3.16; S = 1: 2.38 ->
+    // 2.26; S = 64: 2.83 -> 2.89; four blocks: 3.22, 2.25, 2.89). fp32 takes the same units: 90 us, where
     // 16-byte units of one head take 106 us (and of two or four, 87 us: not worth a
     // fourth instantiation).
     constexpr int kHalfVec = V / 2;
@@ -258,7 +263,7 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
       return whole_groups ? launch_with<T, C, false, kHalfVec, 4, true>(a, stream)
                           : launch_with<T, C, false, kHalfVec, 4>(a, stream);
     }
-    return launch_with<T, C, false, V, 1>(a, stream);
+    return launch_with<T, C, false, V, 1>(a, stream, 2);
   }
 }
 
