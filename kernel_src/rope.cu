@@ -133,11 +133,12 @@ struct UnitTables {
   }
 };
 
-// One block per (b, s) token and blockIdx.y. threadIdx.x walks the head's units of N channels
-// (pairs at i and i + R/2 for rotate-half, N/2 adjacent pairs for interleaved); the rows of
-// threads of the token's gridDim.y blocks walk groups of HEADS heads (q's, then k's). A thread issues its first heads' loads before
-// the tables' (which every head row of the block shares, so they mostly hit L1/L2), so
-// DRAM latency is paid once; it converts the tables once for all the heads it rotates.
+// One block per (b, s) token and blockIdx.y. threadIdx.x walks the head's units of N
+// channels (pairs at i and i + R/2 for rotate-half, N/2 adjacent pairs for interleaved);
+// the rows of threads of the token's gridDim.y blocks walk groups of HEADS heads (q's,
+// then k's). A thread issues its first heads' loads before the tables' (which every head
+// row of the block shares, so they mostly hit L1/L2), so DRAM latency is paid once; it
+// converts the tables once for all the heads it rotates.
 // WHOLE_GROUPS: q's and k's head counts are multiples of HEADS, so a thread's heads lie in
 // one tensor, a head stride apart, and none is missing: no per-head select or test.
 template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED, int HEADS, bool WHOLE_GROUPS>
@@ -223,7 +224,8 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
   const int64_t groups = (heads + HEADS - 1) / HEADS;
-  const int ty = static_cast<int>(std::min<int64_t>((groups + head_blocks - 1) / head_blocks, max_block(WHOLE_GROUPS) / tx));
+  const int64_t groups_per_block = (groups + head_blocks - 1) / head_blocks;
+  const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_block(WHOLE_GROUPS) / tx));
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
   TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
@@ -231,7 +233,8 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
                            a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
                            static_cast<int>(a.rotary_dim), a.inverse};
   constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
-  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<dim3(blocks, head_blocks), dim3(tx, ty), 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(blocks), head_blocks);
+  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<grid, dim3(tx, ty), 0, stream>>>(p);
   check_launch();
 }
 
