@@ -253,9 +253,9 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     // Few tokens: one head per thread spreads a token over more threads
     // (q[1,32,128,128]: 3.3 us against 3.8 us), and its heads over two blocks over more
     // SMs (q[1,32,S,128], k 8 heads, S = 128: 3.29 -> 3.20 us, Liger 3.16; S = 1: 2.38 ->
-    // 2.26; S = 64: 2.83 -> 2.89; four blocks: 3.22, 2.25, 2.89). fp32 takes the same units: 90 us, where
-    // 16-byte units of one head take 106 us (and of two or four, 87 us: not worth a
-    // fourth instantiation).
+    // 2.26; S = 64: 2.83 -> 2.89; four blocks: 3.22, 2.25, 2.89). fp32 takes the same
+    // units: 90 us, where 16-byte units of one head take 106 us (and of two or four, 87
+    // us: not worth a fourth instantiation).
     constexpr int kHalfVec = V / 2;
     if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
     const bool many_tokens = two_rows_per_sm(a.batch * a.seq, a.device.index());

@@ -119,7 +119,7 @@ def test_adaln(kernel, device, x_shape, mod_shape, dtype, norm):
     assert_close(y, adaln_ref(x, scale, shift, 1e-6, norm), dtype, atol=1e-4)
 
 
-# D = 256 shares 128-thread blocks between rows; 2048, a block a row (CUDA's row kernel).
+# On CUDA, rows of D = 256 share 128-thread blocks; rows of 2048 take a block each.
 @pytest.mark.parametrize("d", [256, 2048])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_adaln_takes_chunked_views(kernel, device, norm, d):
