@@ -20,24 +20,27 @@ constexpr int kCachedVecs = 4;
 // cache and store the sum: at four vectors a thread they take 62-64 registers (sm_90), so
 // few rows are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits,
 // 1024 in fp32) take one vector a thread instead, at most 48 registers (kOneVecMinBlocks
-// blocks per SM), their write operands loaded before the reduction. H200, bf16, sweeps of
-// one build (four vectors / one): gated_residual_adaln rms [2,2688,2048] 31.4 / 28.4 us,
-// [2,21504,2048] 199.2 / 196.9 us; gated_residual [2,2688,2048] 18.7 / 18.0 us,
-// fused_add_rms_norm 8192x2048 40.7 / 39.3 us (LayerNorm's large batches: see
-// kLayerFourVecRowsPerSm). Rows without a residual were slower so (adaln rms
-// [2,21504,2048] 94 -> 137 us, rms_norm 5376x2048 13.2 -> 15.9 us).
+// blocks per SM; 32 without a weight, below), their write operands loaded before the
+// reduction. H200, bf16, sweeps of one build (four vectors / one): gated_residual_adaln
+// rms [2,2688,2048] 31.4 / 28.4 us, [2,21504,2048] 199.2 / 196.9 us; gated_residual
+// [2,2688,2048] 18.7 / 18.0 us, fused_add_rms_norm 8192x2048 40.7 / 39.3 us. Rows without
+// a residual were slower so (adaln rms [2,21504,2048] 94 -> 137 us, rms_norm 5376x2048
+// 13.2 -> 15.9 us).
 constexpr int kOneVecThreads = 256;
-// LayerNorm takes two row reductions, each a barrier that a one-vector row (256 threads
-// at D = 2048) waits at with no loads in flight, where a four-vector row has 64
-// threads. From this many rows per SM its four-vector launch is faster. H200, bf16,
-// gated_residual_adaln layer, one vector against four: [2,5376,2048] 57.4 / 60.5 us,
-// [2,10752,2048] 110.5 / 109.2 us, [2,21504,2048] 216.5 / 207.1 us (RMSNorm's one vector
-// stays ahead: 196.9 / 199.2 us).
-constexpr int kLayerFourVecRowsPerSm = 128;
+// Without a weight (AdaLN's modulate, the gated residual alone) a one-vector row fits 32
+// registers: eight blocks, a full SM of 2048 threads; the weighted fused add would spill
+// there and keeps kOneVecMinBlocks. H200, bf16, sweeps of one build, five blocks / eight:
+// gated_residual_adaln rms [2,2688,2048] 26.4 / 24.2 us (compile 25.3), [2,5376,2048]
+// 48.9 / 45.4, [2,21504,2048] 184.7 / 172.5 (compile 186.3). At five blocks LayerNorm's
+// one-vector rows, waiting at two barriers with no loads in flight, lost to four vectors
+// from 128 rows per SM ([2,21504,2048] 216.5 / 207.1 us); at eight they win at every
+// batch: four vectors / one, [2,10752,2048] 95.7 / 89.2 us, [2,21504,2048] 182.0 / 175.9.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kOneVecMinBlocks = 4;  // sm_75 holds 1024 threads per SM (64 registers)
+constexpr int kOneVecUnweightedMinBlocks = 4;
 #else
 constexpr int kOneVecMinBlocks = 5;
+constexpr int kOneVecUnweightedMinBlocks = 8;
 #endif
 // Rows without a residual, of at most 2 * kTwoVecThreads vectors (D <= 8192 in 16 bits,
 // 4096 in fp32), take two vectors a thread below kTwoVecRowsPerSm rows per SM: twice the
@@ -126,12 +129,14 @@ struct NormParams {
 constexpr int bound_threads(int cached, bool residual, bool modulate) {
   return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
 }
-constexpr int bound_min_blocks(int cached) {
-  return cached == 1 ? kOneVecMinBlocks : cached == 2 ? kTwoVecMinBlocks : 0;
+constexpr int bound_min_blocks(int cached, bool weighted) {
+  if (cached == 1) return weighted ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
+  return cached == 2 ? kTwoVecMinBlocks : 0;
 }
 
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
-__global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE), bound_min_blocks(CACHED))
+__global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
+                                  bound_min_blocks(CACHED, !MODULATE && KIND != NormKind::kNone))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
@@ -423,8 +428,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
   // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).
   int cached = kCachedVecs;
-  if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads &&
-      (KIND != NormKind::kLayer || a.rows < kLayerFourVecRowsPerSm * sms)) {
+  if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads) {
     cached = 1;
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
              (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
