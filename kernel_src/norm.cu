@@ -129,6 +129,9 @@ struct NormParams {
 constexpr int bound_threads(int cached, bool residual, bool modulate) {
   return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
 }
+// Whether an instantiation's write takes a weight: AdaLN has none, and the gated residual
+// alone (kNone) stops after the row's sum. Without one, a one-vector row fits 32 registers.
+constexpr bool writes_weight(NormKind kind, bool modulate) { return !modulate && kind != NormKind::kNone; }
 constexpr int bound_min_blocks(int cached, bool weighted) {
   if (cached == 1) return weighted ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
   return cached == 2 ? kTwoVecMinBlocks : 0;
@@ -136,7 +139,7 @@ constexpr int bound_min_blocks(int cached, bool weighted) {
 
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
-                                  bound_min_blocks(CACHED, !MODULATE && KIND != NormKind::kNone))
+                                  bound_min_blocks(CACHED, writes_weight(KIND, MODULATE)))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
