@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // kernel of four vectors a thread held 62-63 registers, not 69-72 (sm_90; H200, bf16,
   // bench_ops runs before and after: adaln rms [2,21504,2048] 103.0 -> 91.6 us, layer
   // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
-  constexpr bool kWeighted = !MODULATE;
+  constexpr bool kWeighted = writes_weight(KIND, MODULATE);
   const bool weighted = kWeighted && p.weight != nullptr;
   // One vector a thread, or two with a weight of 16-byte vectors (or, on sm_90, AdaLN RMS's
   // 16-bit scale and shift): the write operands of the cached vectors load with them, so
