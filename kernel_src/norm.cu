@@ -131,7 +131,7 @@ constexpr int bound_threads(int cached, bool residual, bool modulate) {
 }
 // Whether an instantiation's write takes a weight: AdaLN has none, and the gated residual
 // alone (kNone) stops after the row's sum. Without one, a one-vector row fits 32 registers.
-constexpr bool writes_weight(NormKind kind, bool modulate) { return !modulate && kind != NormKind::kNone; }
+__host__ __device__ constexpr bool writes_weight(NormKind kind, bool modulate) { return !modulate && kind != NormKind::kNone; }
 constexpr int bound_min_blocks(int cached, bool weighted) {
   if (cached == 1) return weighted ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
   return cached == 2 ? kTwoVecMinBlocks : 0;
