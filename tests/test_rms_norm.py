@@ -10,9 +10,9 @@ DIMS = [64, 128, 1000, 1536, 2048, 3072, 4096, 6144, 8192, 65536]
 MAX_ELEMENTS = 13_000_000  # keeps the CPU run short; the GPU run uses the same grid
 # 20000 x 512 and 10000 x 1024: on CUDA, 16-bit rows that take two vectors a thread at any
 # batch (the widest: 1024). 3072 in fp32 and 6144 in 16 bits: rows of 768 vectors on the
-# two-vector launch's 512 threads, half of them without a second vector. 8999 x 1100 in
-# fp32: four-vector rows of 128 threads, four to a 512-thread block, the last block with
-# three (and 275 vectors on 512 slots).
+# two-vector launch's 512 threads, half of them without a second vector. 8999 x 1100: in
+# fp32, four-vector rows of 128 threads (275 vectors on 512 slots) at over 64 rows per SM,
+# and a row count no power of two divides, for launches that pack several rows a block.
 SHAPES = [(rows, d) for d in DIMS for rows in (1, 33, 1000, 100_000) if rows * d <= MAX_ELEMENTS] + [
     (20_000, 512), (10_000, 1024), (8_999, 1100)]
 

@@ -176,7 +176,8 @@ def test_bad_input_raises_a_clear_error(kernel, device, case):
 
 @pytest.mark.parametrize("table_layout", ["per-entry", "expanded"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-# ltx_odd_tokens: 154 rows, four to a 256-thread block in 16 bits, the last block half full.
+# ltx_odd_tokens: 77 tokens, 154 q and k rows: a launch that packs four rows a block ends
+# with a part-full block.
 @pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 77, 2048), (1, 3, 64), (3, 5, 1000)],
                          ids=["ltx", "ltx_odd_tokens", "small", "c1000"])
 def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dtype, table_layout):
