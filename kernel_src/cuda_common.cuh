@@ -164,9 +164,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return group_sum(v, 32);
 }
 
-// Sum over one row's threads: a lane group of up to a warp, or the whole block.
+// Sum over one row's threads: a lane group of up to a warp, or the row's warps, where a
+// block holds rows of threads_per_row consecutive threads (each row's sum from its own
+// slots of `scratch`, 32 floats as block_sum's).
 __device__ __forceinline__ float row_sum(float v, int threads_per_row, float* scratch) {
-  return threads_per_row > 32 ? block_sum(v, scratch) : group_sum(v, threads_per_row);
+  if (threads_per_row <= 32) return group_sum(v, threads_per_row);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int row_warps = threads_per_row / 32;  // a power of two
+  v = group_sum(v, 32);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < row_warps ? scratch[(warp & -row_warps) + lane] : 0.f;
+  return group_sum(v, 32);
 }
 
 // n / d for 0 <= n < 2^31 by a multiply-high, an add and a shift, with d's magic number
@@ -186,9 +196,9 @@ struct IntDivider {
 
 // Launch shape of a row-reduction kernel: threads_per_row is a power of two covering the
 // row with at most `per_thread` vectors each (up to max_threads). Rows of more than a warp
-// get a block each (row_sum reduces the whole block; the norm backward may put several in
-// one); rows of a warp or less share 128-thread blocks and reduce with shuffles inside
-// their lane group.
+// get a block each (a launch may put several in one: row_sum adds each row's warps); rows
+// of a warp or less share 128-thread blocks and reduce with shuffles inside their lane
+// group.
 struct RowLaunch {
   int threads_per_row;
   int block;

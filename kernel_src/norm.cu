@@ -58,6 +58,13 @@ constexpr int kOneVecUnweightedMinBlocks = 8;
 // 1024x2048 6.62 -> 6.22 us (Liger 6.12), 128x2048 3.34 -> 2.82. An fp32 weight of a
 // 16-bit input (32-byte vectors) stays unloaded: 42-50 registers.
 constexpr int kTwoVecThreads = 512;
+// Plain fp32 norms' four-vector rows (many rows per SM) share blocks of this many threads
+// (two 256-thread rows at D = 4096). H200, one build, a block a row / 512 threads: rms_norm
+// fp32 32768x4096 267.0 / 262.9 us (compile 255.6), 32768x8192 516.0 / 515.4 (its rows fill
+// 512 threads). Not for 16-bit rows or the fused variants, which it slowed: rms_norm bf16
+// 32768x4096 134.4 / 138.2 us, adaln_rms [2,21504,2048] 87.6 / 93.1, adaln_layer 88.2 /
+// 98.9, fused_add_rms_norm bf16 8192x4096 70.1 / 76.0.
+constexpr int kFp32FourVecBlock = 512;
 constexpr int kTwoVecRowsPerSm = 64;
 // AdaLN RMS's scale and shift load with the two cached vectors on sm_90, in 16 bits (H200,
 // bf16, [2,2688,2048]: 15.0 -> 14.0 us, as Liger's); compiled for sm_80, the fp16 kernel
@@ -199,12 +206,19 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
   constexpr bool kWeighted = writes_weight(KIND, MODULATE);
   const bool weighted = kWeighted && p.weight != nullptr;
-  // One vector a thread, or two with a weight of 16-byte vectors (or, on sm_90, AdaLN RMS's
-  // 16-bit scale and shift): the write operands of the cached vectors load with them, so
-  // that their latency overlaps the row's rather than following the reduction.
+  // One vector a thread, two or, in plain RMSNorm, four with a weight of 16-byte vectors (or,
+  // on sm_90, AdaLN RMS's 16-bit scale and shift): the write operands of the cached vectors
+  // load with them, so that their latency overlaps the row's rather than following the
+  // reduction. Loaded in the write phase, each weight load waits on the previous store (the
+  // output may alias the weight): four L2 round trips after the barrier on sm_90. H200,
+  // rms_norm, one build, as then / loaded with the row: bf16 32768x4096 134.8 / 133.0 us,
+  // 32768x8192 267.6 / 264.5, 8192x16384 138.2 / 134.5, 16384x4096 69.3 / 67.6; fp32
+  // 32768x4096 262.1 / 260.8 (at 512-thread blocks), 32768x8192 515.4 / 513.8. Loading them
+  // all after the barrier, before the first store, was no faster (fp32 20% slower).
   constexpr bool kPreload =
-      CACHED == 1 || (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) ||
-                                      (kWeighted && VEC * sizeof(W) == 16)));
+      CACHED == 1 ||
+      (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) || (kWeighted && VEC * sizeof(W) == 16))) ||
+      (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16);
   constexpr int kPre = kPreload ? CACHED : 1;
   Vec<W, VEC> pre_w[kPre];
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
@@ -442,7 +456,10 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   // (128x16384 bf16 takes 1024-thread rows; large batches want four: 36 us against 70 us
   // at 8192x4096).
   const int per_thread = cached == kCachedVecs && !many_rows ? 1 : cached;
-  const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE));
+  RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE));
+  if (!RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs && cfg.threads_per_row > 32) {
+    cfg.block = std::max(cfg.block, kFp32FourVecBlock);
+  }
   if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {
     if (cached == 2 && cfg.threads_per_row == cfg.block && a.weight != nullptr) {
       return launch_rms_norm_rows<T, W, O, V>(a, cfg.block, stream);
