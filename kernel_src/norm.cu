@@ -61,9 +61,10 @@ constexpr int kTwoVecThreads = 512;
 // Plain fp32 norms' four-vector rows (many rows per SM) share blocks of this many threads
 // (two 256-thread rows at D = 4096). H200, one build, a block a row / 512 threads: rms_norm
 // fp32 32768x4096 267.0 / 262.9 us (compile 255.6), 32768x8192 516.0 / 515.4 (its rows fill
-// 512 threads). Not for 16-bit rows or the fused variants, which it slowed: rms_norm bf16
-// 32768x4096 134.4 / 138.2 us, adaln_rms [2,21504,2048] 87.6 / 93.1, adaln_layer 88.2 /
-// 98.9, fused_add_rms_norm bf16 8192x4096 70.1 / 76.0.
+// 512 threads); with the weight loaded with the row (kPreload below) 264.2-264.8 / 260.6-260.9.
+// Not for 16-bit rows or the fused variants, which it slowed: rms_norm bf16 32768x4096
+// 134.4 / 138.2 us (weight with the row: 133.0 / 134.4), adaln_rms [2,21504,2048] 87.6 /
+// 93.1, adaln_layer 88.2 / 98.9, fused_add_rms_norm bf16 8192x4096 70.1 / 76.0.
 constexpr int kFp32FourVecBlock = 512;
 constexpr int kTwoVecRowsPerSm = 64;
 // AdaLN RMS's scale and shift load with the two cached vectors on sm_90, in 16 bits (H200,
