@@ -14,8 +14,10 @@ back to back over the same rotated inputs, median), the bytes an op must move, G
 of the copy bandwidth measured in the same run (from kernel time), the time of a copy of
 the same bytes (same protocol) as a share of the row's kernel time, ltx's time over the
 fastest peer's (kernel and eager; <= 1.03 meets issue 4's target), and the max abs error
-against an fp64 evaluation of the eager code. With no output flag (and not --smoke) the
-JSON, PNG and Markdown go to benchmarks/results/<date>-<gpu>-<mode>.*.
+against an fp64 evaluation of the eager code. An implementation whose error is over 16x
+every other's is skipped as wrong, not timed; if it is ltx, the run exits non-zero once
+its report is written. With no output flag (and not --smoke) the JSON, PNG and Markdown go
+to benchmarks/results/<date>-<gpu>-<mode>.*.
 """
 
 import argparse
@@ -398,6 +400,30 @@ def private_copy(obj):
     return obj
 
 
+# An implementation whose max abs error is over WRONG_FACTOR times every other's (plus
+# WRONG_FLOOR) computed something else: rounding differs by less (the eager code's own, of
+# several roundings, reached 3.9x the others' on adaln_layer), a broken kernel's error is
+# the size of its outputs. Its row is skipped with the reason rather than timed.
+WRONG_FACTOR, WRONG_FLOOR = 16.0, 1e-5
+
+
+class WrongResult(RuntimeError):
+    pass
+
+
+def wrong_results(errors: Dict[str, object]) -> Dict[str, WrongResult]:
+    """The checked implementations (errors: name -> max abs error, or the exception the check
+    raised) whose error sets them apart from all the others."""
+    measured = {name: err for name, err in errors.items() if isinstance(err, float)}
+    wrong = {}
+    for name, err in measured.items():
+        others = [e for other, e in measured.items() if other != name]
+        if others and err > WRONG_FACTOR * max(others) + WRONG_FLOOR:
+            wrong[name] = WrongResult(f"max abs err {err:.1e}, over {WRONG_FACTOR:.0f}x every other "
+                                      f"implementation's (at most {max(others):.1e})")
+    return wrong
+
+
 def max_error(actual, expected) -> float:
     pairs = list(zip(flatten(actual), flatten(expected)))
     if len(pairs) != len(flatten(expected)):
@@ -454,6 +480,7 @@ class Runner:
                 errors[name] = max_error(fn(*private_copy(sets[0])), expected)
             except Exception as e:  # a peer without this layout, dtype or autograd
                 errors[name] = e
+        errors.update(wrong_results(errors))
         rows = []
         for name, fn in case.impls.items():
             try:
@@ -614,6 +641,10 @@ def main():
                   timing="cuda-graph kernel + eager" if on_cuda else "cpu eager (smoke)",
                   peers_missing=libs.missing, results=runner.rows, skipped=runner.skipped)
     write_outputs(args, report, runner.lines)
+    wrong = [row for row in runner.skipped if row["impl"] == "ltx" and row["reason"].startswith(WrongResult.__name__)]
+    if wrong:
+        sys.exit("bench_ops: ltx computed wrong results: "
+                 + "; ".join(f"{row['op']} {row['shape']} ({row['reason']})" for row in wrong))
 
 
 def write_outputs(args, report: dict, lines: List[str]):

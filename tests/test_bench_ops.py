@@ -1,0 +1,68 @@
+"""bench_ops times only what computes the op: an implementation whose error sets it apart
+from every other is skipped as wrong, and a wrong ltx fails the run (its report written)."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_ops  # noqa: E402
+
+
+def test_wrong_results_flags_only_the_outlier():
+    # fp32 8192x65536 of a build whose kernel covered half of each row (H200, 2026-12-03)
+    errors = {"eager": 2.4e-7, "compile": 1.2e-6, "F.rms_norm": 1.3e-6, "liger": 1.3e-6, "ltx": 2.69}
+    assert set(bench_ops.wrong_results(errors)) == {"ltx"}
+    # adaln_layer [2,21504,2048]: the eager code's own roundings, 3.9x the others', are not wrong
+    assert bench_ops.wrong_results({"eager": 0.0610, "compile": 0.0156, "ltx": 0.0156}) == {}
+    # a failed check (an exception) is no yardstick, and one result alone has none
+    assert set(bench_ops.wrong_results({"eager": 1e-7, "liger": RuntimeError("layout"), "ltx": 1.0})) == {"ltx"}
+    assert bench_ops.wrong_results({"ltx": 5.0, "eager": RuntimeError("out of memory")}) == {}
+
+
+def test_runner_skips_a_wrong_implementation_untimed():
+    timed = []
+
+    def off_by_one(x):
+        timed.append(x)
+        return x * 2 + 1
+
+    case = bench_ops.Case("double", "[4, 64]", lambda: (torch.randn(4, 64),),
+                          {"eager": lambda x: x * 2, "ltx": off_by_one})
+    runner = bench_ops.Runner(on_cuda=False, copy_gbs=1.0)
+    runner.run([case])
+    assert [row["impl"] for row in runner.rows] == ["eager"]
+    [skipped] = runner.skipped
+    assert skipped["impl"] == "ltx" and skipped["reason"].startswith("WrongResult: max abs err 1.0e+00")
+    assert len(timed) == 1  # the check's call only
+
+
+def test_wrong_ltx_fails_the_run_after_its_report(monkeypatch, tmp_path):
+    import kernels
+
+    ltx = kernels.get_local_kernel(REPO, backend="cpu")
+    broken = types.SimpleNamespace(**{name: getattr(ltx, name) for name in dir(ltx) if not name.startswith("__")})
+    broken.__name__ = "broken"
+    broken.rms_norm = lambda x, weight, eps, **kw: ltx.rms_norm(x, weight, eps, **kw) + 1
+    monkeypatch.setattr(kernels, "get_local_kernel", lambda *args, **kwargs: broken)
+    report = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["bench_ops.py", "--smoke", "--ops", "rms_norm", "--json", str(report)])
+    with pytest.raises(SystemExit, match="ltx computed wrong results: rms_norm"):
+        bench_ops.main()
+    skipped = json.loads(report.read_text())["skipped"]
+    assert skipped and all(row["impl"] == "ltx" and row["reason"].startswith("WrongResult") for row in skipped)
+
+
+def test_smoke_run_of_every_op_passes_the_check(monkeypatch, tmp_path):
+    report = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["bench_ops.py", "--smoke", "--json", str(report)])
+    bench_ops.main()  # no SystemExit: no ltx row is wrong
+    results = json.loads(report.read_text())
+    ops = {row["op"] for row in results["results"]}
+    assert {"rms_norm", "adaln_rms", "rope_rotate_half", "geglu"} <= ops
+    assert not [row for row in results["skipped"] if row["impl"] == "ltx"]
