@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -196,19 +197,19 @@ struct IntDivider {
 
 // Launch shape of a row-reduction kernel: threads_per_row is a power of two covering the
 // row with at most `per_thread` vectors each (up to max_threads). Rows of more than a warp
-// get a block each (a launch may put several in one: row_sum adds each row's warps); rows
-// of a warp or less share 128-thread blocks and reduce with shuffles inside their lane
-// group.
+// get a block each, or share blocks of `shared_block` threads where a launch asks for them
+// (row_sum adds each row's own warps); rows of a warp or less share 128-thread blocks and
+// reduce with shuffles inside their lane group.
 struct RowLaunch {
   int threads_per_row;
   int block;
 };
 
-inline RowLaunch row_launch(int64_t vecs_per_row, int per_thread, int max_threads) {
+inline RowLaunch row_launch(int64_t vecs_per_row, int per_thread, int max_threads, int shared_block = 0) {
   const int64_t wanted = (vecs_per_row + per_thread - 1) / per_thread;
   int tpr = 1;
   while (tpr < wanted && tpr < max_threads) tpr *= 2;
-  return {tpr, tpr > 32 ? tpr : 128};
+  return {tpr, tpr > 32 ? std::max(tpr, shared_block) : 128};
 }
 
 inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }

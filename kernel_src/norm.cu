@@ -16,6 +16,26 @@ namespace {
 // 1024-thread block under its 64 registers per thread. Rows of more than
 // max_block * 4 vectors re-read the rest, which then comes from L2.
 constexpr int kCachedVecs = 4;
+// Plain RMSNorm rows too wide for four vectors a thread on two blocks per SM (over
+// kCachedVecs * kTwoVecThreads vectors at two or more rows per SM, kCachedVecs * 1024 below;
+// at most 8192: D <= 65536 in 16 bits, 32768 in fp32) keep eight vectors a thread, the
+// whole row in registers: 512 threads a row up to 4096 vectors (two blocks per SM), 1024
+// above. Four vectors took them on 1024 threads, one block per SM, re-reading past 4096
+// vectors from L2. They take rms_norm_wide_row_kernel. H200, one build, us, four vectors /
+// the general kernel at eight / rms_norm_wide_row_kernel (compile), with a weight: bf16 8192x65536 687-693 /
+// 581-587 / 523-537 (743), fp16 8192x65536 672-679 / 578-584 / 554-555 (740), fp32
+// 8192x32768 656-668 / 552-569 / 518-526 (505), bf16 8192x32768 293-295 / 268-269 / 265
+// (261), fp32 8192x16384 273-274 / 266-267 / 264-265 (256), bf16 8192x24576 244 / 218 / 198
+// (192), bf16 128x65536 13.3 / 13.3 / 12.3 (17.7). Eight vectors on 256 threads lost at
+// 2048 vectors: fp32 32768x8192 516-522 / 531-536, bf16 8192x16384 134-135 / 135-137.
+constexpr int kWideCachedVecs = 8;
+// Weight vectors the wide row kernel loads ahead of its writes: bf16 8192x65536 548-562 us
+// at one, 523-537 at two; four spill in 16 bits.
+constexpr int kWideWeightAhead = 2;
+// Only where the weight and output are of the input's type: an fp32 weight or output of a
+// 16-bit input takes 32-byte vectors, which spilled the general kernel at eight vectors.
+template <typename T, typename W, typename O>
+constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
 // The residual variants load two or three vectors (input, residual, gate) per vector they
 // cache and store the sum: at four vectors a thread they take 62-64 registers (sm_90), so
 // few rows are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits,
@@ -200,7 +220,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   };
 
   Vec<T, VEC> cached[CACHED];
-  constexpr bool kReread = CACHED == kCachedVecs;  // the one- and two-vector launches cover the row
+  constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
   // AdaLN takes no weight (launch asserts it): without the weight's registers the AdaLN
   // kernel of four vectors a thread held 62-63 registers, not 69-72 (sm_90; H200, bf16,
   // bench_ops runs before and after: adaln rms [2,21504,2048] 103.0 -> 91.6 us, layer
@@ -416,9 +436,67 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   if (has1) write(f1, w1, i1);
 }
 
+// Plain RMSNorm's wide rows (kWideCachedVecs), a block a row, with a weight of the input's
+// type (WEIGHTED) or none. The output may alias the weight, so a weight load waits for the
+// stores before it: the kernel loads kWideWeightAhead vectors ahead of its writes, the
+// first with the row. In place (out == input) stays correct as above. Past-the-end vectors
+// stay out of the sum (zeroing them spilled).
+template <typename T, int VEC, bool WEIGHTED, bool CAST>
+__global__ void __launch_bounds__(max_block(false, false))
+    rms_norm_wide_row_kernel(const T* __restrict__ input, const T* weight, T* out, int64_t input_stride,
+                             int64_t out_stride, int nvec, float eps, float inv_cols, float weight_offset) {
+  __shared__ float scratch[32];
+  const T* x = input + blockIdx.x * input_stride;
+  Vec<T, VEC> row[kWideCachedVecs];
+  Vec<T, VEC> w[kWideWeightAhead];
+#pragma unroll
+  for (int k = 0; k < kWideCachedVecs; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) row[k] = load_vec<T, VEC>(x, i);
+  }
+#pragma unroll
+  for (int k = 0; k < kWideWeightAhead; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (WEIGHTED && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
+  }
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < kWideCachedVecs; ++k) {
+    if (threadIdx.x + k * blockDim.x >= nvec) break;
+    float f[VEC];
+    to_floats(row[k], f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
+  }
+  const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
+  T* y = out + blockIdx.x * out_stride;
+#pragma unroll
+  for (int k = 0; k < kWideCachedVecs; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i >= nvec) break;
+    float f[VEC], wf[VEC];
+    to_floats(row[k], f);
+    if constexpr (WEIGHTED) to_floats(w[k % kWideWeightAhead], wf);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      f[j] *= rstd;
+      if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
+      if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
+    }
+    store_vec<T, VEC>(y, i, from_floats<T>(f));
+    const int next = i + kWideWeightAhead * blockDim.x;
+    if (WEIGHTED && k + kWideWeightAhead < kWideCachedVecs && next < nvec) {
+      w[k % kWideWeightAhead] = load_vec<T, VEC>(weight, next);
+    }
+  }
+}
+
+// A block a row: the two-vector rows (cached == 2, with a weight) or the wide rows
+// (kWideCachedVecs).
 template <typename T, typename W, typename O, int VEC>
-void launch_rms_norm_rows(const NormArgs& a, int block, cudaStream_t stream) {
-  TORCH_INTERNAL_ASSERT(a.stats == nullptr && a.weight != nullptr, "rms_norm rows: a weight and no statistics");
+void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(a.stats == nullptr && (a.weight != nullptr || cached == kWideCachedVecs),
+                        "rms_norm rows: no statistics, and a weight for two vectors a thread");
   TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
   const auto run = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(a.rows), block, 0, stream>>>(static_cast<const T*>(a.input), static_cast<const W*>(a.weight),
@@ -427,8 +505,19 @@ void launch_rms_norm_rows(const NormArgs& a, int block, cudaStream_t stream) {
     check_launch();
   };
   // Rounding an fp32 row to fp32 changes nothing: no second fp32 instantiation.
+  const bool cast = sizeof(T) == 2 && a.cast_before_weight;
+  if constexpr (kWideRows<T, W, O>) {
+    if (cached == kWideCachedVecs) {
+      if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false>);
+      if constexpr (sizeof(T) == 2) {
+        if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true>);
+      }
+      return run(rms_norm_wide_row_kernel<T, VEC, true, false>);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(cached == 2, "rms_norm rows: two or ", kWideCachedVecs, " vectors a thread");
   if constexpr (sizeof(T) == 2) {
-    if (a.cast_before_weight) return run(rms_norm_row_kernel<T, W, O, VEC, true>);
+    if (cast) return run(rms_norm_row_kernel<T, W, O, VEC, true>);
   }
   run(rms_norm_row_kernel<T, W, O, VEC, false>);
 }
@@ -451,19 +540,23 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
              (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
     cached = 2;
+  } else if (KIND == NormKind::kRms && !RESIDUAL && !MODULATE && kWideRows<T, W, O> && vector &&
+             a.stats == nullptr && nvec <= kWideCachedVecs * max_block(false, false) &&
+             nvec > kCachedVecs * (many_rows ? kTwoVecThreads : max_block(false, false))) {
+    cached = kWideCachedVecs;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
   // vector per thread of the four-vector kernel spreads each row over more threads
   // (128x16384 bf16 takes 1024-thread rows; large batches want four: 36 us against 70 us
   // at 8192x4096).
   const int per_thread = cached == kCachedVecs && !many_rows ? 1 : cached;
-  RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE));
-  if (!RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs && cfg.threads_per_row > 32) {
-    cfg.block = std::max(cfg.block, kFp32FourVecBlock);
-  }
+  const bool fp32_four_vec_rows = !RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs;
+  const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE),
+                                   fp32_four_vec_rows ? kFp32FourVecBlock : 0);
   if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {
-    if (cached == 2 && cfg.threads_per_row == cfg.block && a.weight != nullptr) {
-      return launch_rms_norm_rows<T, W, O, V>(a, cfg.block, stream);
+    const bool row_kernel = (cached == 2 && a.weight != nullptr) || cached == kWideCachedVecs;
+    if (row_kernel && cfg.threads_per_row == cfg.block && a.stats == nullptr) {
+      return launch_rms_norm_rows<T, W, O, V>(a, cached, cfg.block, stream);
     }
   }
   const int rows_per_block = cfg.block / cfg.threads_per_row;

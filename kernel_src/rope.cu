@@ -378,8 +378,7 @@ void launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   for (int64_t stride : {a.q_stride, a.k_stride, a.q_out_stride, a.k_out_stride}) vector = vector && stride % V == 0;
   // The scalar path works on pairs, element by element (no alignment assumed).
   const int vec = vector ? V : 2;
-  RowLaunch cfg = row_launch(a.channels / vec, kQkCachedVecs, kQkMaxBlock);
-  if (cfg.threads_per_row > 32) cfg.block = std::max(cfg.block, kQkSharedRowsBlock);
+  const RowLaunch cfg = row_launch(a.channels / vec, kQkCachedVecs, kQkMaxBlock, kQkSharedRowsBlock);
   TORCH_CHECK(static_cast<int64_t>(cfg.threads_per_row) * kQkCachedVecs * vec >= a.channels,
               "qk_norm_rope: C = ", a.channels, " is too wide for the kernel's registers with these alignments");
   const int64_t rows = a.batch * a.seq;
