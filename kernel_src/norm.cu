@@ -19,21 +19,23 @@ constexpr int kCachedVecs = 4;
 // Plain RMSNorm rows too wide for four vectors a thread on two blocks per SM (over
 // kCachedVecs * kTwoVecThreads vectors at two or more rows per SM, kCachedVecs * 1024 below;
 // at most 8192: D <= 65536 in 16 bits, 32768 in fp32) keep eight vectors a thread, the
-// whole row in registers: 512 threads a row up to 4096 vectors (two blocks per SM), 1024
-// above. Four vectors took them on 1024 threads, one block per SM, re-reading past 4096
-// vectors from L2. They take rms_norm_wide_row_kernel. H200, one build, us, four vectors /
-// the general kernel at eight / rms_norm_wide_row_kernel (compile), with a weight: bf16 8192x65536 687-693 /
-// 581-587 / 523-537 (743), fp16 8192x65536 672-679 / 578-584 / 554-555 (740), fp32
-// 8192x32768 656-668 / 552-569 / 518-526 (505), bf16 8192x32768 293-295 / 268-269 / 265
-// (261), fp32 8192x16384 273-274 / 266-267 / 264-265 (256), bf16 8192x24576 244 / 218 / 198
-// (192), bf16 128x65536 13.3 / 13.3 / 12.3 (17.7). Eight vectors on 256 threads lost at
-// 2048 vectors: fp32 32768x8192 516-522 / 531-536, bf16 8192x16384 134-135 / 135-137.
+// whole row in registers, in rms_norm_wide_row_kernel: 512 threads a row up to 4096
+// vectors (two blocks per SM), 1024 above. Four vectors took them on 1024 threads, one
+// block per SM, re-reading past 4096 vectors from L2. H200, one build, with a weight, us:
+// four vectors / the general kernel at eight / rms_norm_wide_row_kernel (compile): bf16
+// 8192x65536 687-693 / 581-587 / 523-537 (743), fp16 8192x65536 672-679 / 578-584 /
+// 554-555 (740), fp32 8192x32768 656-668 / 552-569 / 518-526 (505), bf16 8192x32768
+// 293-295 / 268-269 / 265 (261), fp32 8192x16384 273-274 / 266-267 / 264-265 (256), bf16
+// 8192x24576 244 / 218 / 198 (192), bf16 128x65536 13.3 / 13.3 / 12.3 (17.7). Eight
+// vectors on 256 threads lost at 2048 vectors: fp32 32768x8192 516-522 / 531-536 us, bf16
+// 8192x16384 134-135 / 135-137.
 constexpr int kWideCachedVecs = 8;
 // Weight vectors the wide row kernel loads ahead of its writes: bf16 8192x65536 548-562 us
 // at one, 523-537 at two; four spill in 16 bits.
 constexpr int kWideWeightAhead = 2;
-// Only where the weight and output are of the input's type: an fp32 weight or output of a
-// 16-bit input takes 32-byte vectors, which spilled the general kernel at eight vectors.
+// Only where the weight and output are of the input's type (16-byte vectors): with an fp32
+// weight or output of a 16-bit input (32-byte vectors) the general kernel at eight vectors
+// spilled. Such rows keep four vectors.
 template <typename T, typename W, typename O>
 constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
 // The residual variants load two or three vectors (input, residual, gate) per vector they
