@@ -78,6 +78,24 @@ __device__ __forceinline__ void store_vec(T* base, int vec_index, const Vec<T, N
   reinterpret_cast<Vec<T, N>*>(base)[vec_index] = v;
 }
 
+// 16 bytes from global to shared memory, not through registers (sm_80 and later: an
+// asynchronous copy; wait_shared_copies makes a thread's own copies visible to it).
+__device__ __forceinline__ void copy_to_shared(void* shared, const void* global) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(shared))),
+               "l"(global)
+               : "memory");
+#else
+  __trap();  // no asynchronous copy before sm_80: callers stage rows there only
+#endif
+}
+
+__device__ __forceinline__ void wait_shared_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // N elements at p: one vector access when ALIGNED (p aligned to the Vec), else N loads.
 template <typename T, int N, bool ALIGNED>
 __device__ __forceinline__ Vec<T, N> load_n(const T* p) {

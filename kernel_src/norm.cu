@@ -33,11 +33,22 @@ constexpr int kWideCachedVecs = 8;
 // Weight vectors the wide row kernel loads ahead of its writes: bf16 8192x65536 548-562 us
 // at one, 523-537 at two; four spill in 16 bits.
 constexpr int kWideWeightAhead = 2;
+// Rows of up to kWideStagedVecs more vectors a thread (16384 vectors: D = 65536 in fp32,
+// 131072 in 16 bits) keep the rest in dynamic shared memory, up to 128 KB a block, where
+// the device grants it (sm_80 and sm_90; on sm_75, 86 and 89 such rows keep four vectors
+// and the re-read): the whole row stays on its SM. Four vectors re-read past 4096 from L2:
+// fp32 8192x65536 1527-1548 us (66% of copy; compile 1557).
+constexpr int kWideStagedVecs = 8;
 // Only where the weight and output are of the input's type (16-byte vectors): with an fp32
 // weight or output of a 16-bit input (32-byte vectors) the general kernel at eight vectors
 // spilled. Such rows keep four vectors.
 template <typename T, typename W, typename O>
 constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
+// Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
+// 1024-thread block (0 when they fit in registers).
+inline std::size_t wide_staged_bytes(int64_t nvec) {
+  return static_cast<std::size_t>(std::max<int64_t>(nvec - kWideCachedVecs * 1024, 0)) * 16;
+}
 // The residual variants load two or three vectors (input, residual, gate) per vector they
 // cache and store the sum: at four vectors a thread they take 62-64 registers (sm_90), so
 // few rows are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits,
@@ -441,14 +452,23 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
 // Plain RMSNorm's wide rows (kWideCachedVecs), a block a row, with a weight of the input's
 // type (WEIGHTED) or none. The output may alias the weight, so a weight load waits for the
 // stores before it: the kernel loads kWideWeightAhead vectors ahead of its writes, the
-// first with the row. In place (out == input) stays correct as above. Past-the-end vectors
-// stay out of the sum (zeroing them spilled).
-template <typename T, int VEC, bool WEIGHTED, bool CAST>
+// first with the row. STAGED rows hold up to kWideCachedVecs more vectors a thread in
+// dynamic shared memory (see kWideStagedVecs), copied there without registers. In place
+// (out == input) stays correct as above. Past-the-end vectors stay out of the sum (zeroing
+// them spilled).
+template <typename T, int VEC, bool WEIGHTED, bool CAST, bool STAGED>
 __global__ void __launch_bounds__(max_block(false, false))
     rms_norm_wide_row_kernel(const T* __restrict__ input, const T* weight, T* out, int64_t input_stride,
                              int64_t out_stride, int nvec, float eps, float inv_cols, float weight_offset) {
   __shared__ float scratch[32];
+  extern __shared__ uint4 staged_storage[];
+  Vec<T, VEC>* staged = reinterpret_cast<Vec<T, VEC>*>(staged_storage);  // vector i at i - kWideCachedVecs * blockDim.x
+  // The launch stages rows on sm_80 and later only (copy_to_shared): a trap before.
+  constexpr bool kStaged = STAGED && kDeviceArch >= 800;
+  if (STAGED && !kStaged) __trap();
+  constexpr int kVecs = kStaged ? 2 * kWideCachedVecs : kWideCachedVecs;
   const T* x = input + blockIdx.x * input_stride;
+  const int cached_end = kWideCachedVecs * blockDim.x;
   Vec<T, VEC> row[kWideCachedVecs];
   Vec<T, VEC> w[kWideWeightAhead];
 #pragma unroll
@@ -457,27 +477,36 @@ __global__ void __launch_bounds__(max_block(false, false))
     if (i < nvec) row[k] = load_vec<T, VEC>(x, i);
   }
 #pragma unroll
+  for (int k = kWideCachedVecs; k < kVecs; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) copy_to_shared(staged + (i - cached_end), x + static_cast<int64_t>(i) * VEC);
+  }
+#pragma unroll
   for (int k = 0; k < kWideWeightAhead; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
     if (WEIGHTED && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
   }
+  // Vector k of this thread's part of the row (i < nvec).
+  auto vec_at = [&](int k, int i) { return k < kWideCachedVecs ? row[k < kWideCachedVecs ? k : 0] : staged[i - cached_end]; };
   float sum_sq = 0.f;
 #pragma unroll
-  for (int k = 0; k < kWideCachedVecs; ++k) {
-    if (threadIdx.x + k * blockDim.x >= nvec) break;
+  for (int k = 0; k < kVecs; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i >= nvec) break;
+    if (kStaged && k == kWideCachedVecs) wait_shared_copies();
     float f[VEC];
-    to_floats(row[k], f);
+    to_floats(vec_at(k, i), f);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
   }
   const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
   T* y = out + blockIdx.x * out_stride;
 #pragma unroll
-  for (int k = 0; k < kWideCachedVecs; ++k) {
+  for (int k = 0; k < kVecs; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
     if (i >= nvec) break;
     float f[VEC], wf[VEC];
-    to_floats(row[k], f);
+    to_floats(vec_at(k, i), f);
     if constexpr (WEIGHTED) to_floats(w[k % kWideWeightAhead], wf);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -487,7 +516,7 @@ __global__ void __launch_bounds__(max_block(false, false))
     }
     store_vec<T, VEC>(y, i, from_floats<T>(f));
     const int next = i + kWideWeightAhead * blockDim.x;
-    if (WEIGHTED && k + kWideWeightAhead < kWideCachedVecs && next < nvec) {
+    if (WEIGHTED && k + kWideWeightAhead < kVecs && next < nvec) {
       w[k % kWideWeightAhead] = load_vec<T, VEC>(weight, next);
     }
   }
@@ -500,8 +529,13 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
   TORCH_INTERNAL_ASSERT(a.stats == nullptr && (a.weight != nullptr || cached == kWideCachedVecs),
                         "rms_norm rows: no statistics, and a weight for two vectors a thread");
   TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
+  const std::size_t staged = cached == kWideCachedVecs ? wide_staged_bytes(a.cols / VEC) : 0;
   const auto run = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(a.rows), block, 0, stream>>>(static_cast<const T*>(a.input), static_cast<const W*>(a.weight),
+    if (staged > 0) {  // asks for the shared memory beyond 48 KB
+      TORCH_CHECK(max_blocks_per_sm(reinterpret_cast<const void*>(kernel), a.device.index(), block, staged) > 0,
+                  "rms_norm: a row of ", a.cols, " does not fit one SM");
+    }
+    kernel<<<static_cast<unsigned>(a.rows), block, staged, stream>>>(static_cast<const T*>(a.input), static_cast<const W*>(a.weight),
                                          static_cast<O*>(a.out), a.input_stride, a.out_stride,
                                          static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset);
     check_launch();
@@ -510,11 +544,15 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
   const bool cast = sizeof(T) == 2 && a.cast_before_weight;
   if constexpr (kWideRows<T, W, O>) {
     if (cached == kWideCachedVecs) {
-      if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false>);
-      if constexpr (sizeof(T) == 2) {
-        if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true>);
-      }
-      return run(rms_norm_wide_row_kernel<T, VEC, true, false>);
+      const auto wide = [&](auto staged_rows) {
+        constexpr bool S = decltype(staged_rows)::value;
+        if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false, S>);
+        if constexpr (sizeof(T) == 2) {
+          if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true, S>);
+        }
+        return run(rms_norm_wide_row_kernel<T, VEC, true, false, S>);
+      };
+      return staged > 0 ? wide(std::true_type{}) : wide(std::false_type{});
     }
   }
   TORCH_INTERNAL_ASSERT(cached == 2, "rms_norm rows: two or ", kWideCachedVecs, " vectors a thread");
@@ -543,8 +581,10 @@ void launch(const NormArgs& a, cudaStream_t stream) {
              (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
     cached = 2;
   } else if (KIND == NormKind::kRms && !RESIDUAL && !MODULATE && kWideRows<T, W, O> && vector &&
-             a.stats == nullptr && nvec <= kWideCachedVecs * max_block(false, false) &&
-             nvec > kCachedVecs * (many_rows ? kTwoVecThreads : max_block(false, false))) {
+             a.stats == nullptr && nvec > kCachedVecs * (many_rows ? kTwoVecThreads : max_block(false, false)) &&
+             nvec <= (kWideCachedVecs + kWideStagedVecs) * max_block(false, false) &&
+             (wide_staged_bytes(nvec) == 0 ||
+              (arch >= 800 && wide_staged_bytes(nvec) + 32 * sizeof(float) <= max_shared_per_block(a.device.index())))) {
     cached = kWideCachedVecs;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one

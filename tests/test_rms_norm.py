@@ -14,11 +14,14 @@ MAX_ELEMENTS = 13_000_000  # keeps the CPU run short; the GPU run uses the same 
 # fp32, four-vector rows of 128 threads (275 vectors on 512 slots) at over 64 rows per SM,
 # and a row count no power of two divides, for launches that pack several rows a block.
 # 300 x 65536 and 300 x 40008 at over two rows per SM: in 16 bits, rows of eight vectors a
-# thread on 1024 threads (40008: the last part full); in fp32, rows wider than that, whose
-# rest past four vectors a thread is re-read. 33 and 300 x 24576: eight-vector rows of 1024
-# threads (fp32) and, in 16 bits at 300 rows, of 512 threads, the last part full.
+# thread on 1024 threads (40008: the last part full); in fp32 wider rows, of which sm_80 and
+# sm_90 keep what the registers do not hold in shared memory (as 33 x 131072 in 16 bits)
+# and sm_75 re-reads the rest past four vectors a thread. 33 and 300 x 24576: eight-vector
+# rows of 1024 threads (fp32) and, in 16 bits at 300 rows, of 512 threads, the last part
+# full.
 SHAPES = [(rows, d) for d in DIMS for rows in (1, 33, 1000, 100_000) if rows * d <= MAX_ELEMENTS] + [
-    (20_000, 512), (10_000, 1024), (8_999, 1100), (300, 65536), (300, 40_008), (33, 24_576), (300, 24_576)]
+    (20_000, 512), (10_000, 1024), (8_999, 1100), (300, 65536), (300, 40_008), (33, 24_576), (300, 24_576),
+    (33, 131_072)]
 
 
 def make(shape, dtype, device, scale=1.0):
