@@ -486,7 +486,8 @@ __global__ void __launch_bounds__(max_block(false, false))
     const int i = threadIdx.x + k * blockDim.x;
     if (WEIGHTED && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
   }
-  // Vector k of this thread's part of the row (i < nvec).
+  // Vector k of this thread's part of the row (i < nvec); the inner test keeps row's index
+  // in range where k is a staged vector.
   auto vec_at = [&](int k, int i) { return k < kWideCachedVecs ? row[k < kWideCachedVecs ? k : 0] : staged[i - cached_end]; };
   float sum_sq = 0.f;
 #pragma unroll
