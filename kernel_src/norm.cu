@@ -35,8 +35,9 @@ constexpr int kWideCachedVecs = 8;
 constexpr int kWideWeightAhead = 2;
 // Rows of up to kWideStagedVecs more vectors a thread (16384 vectors: D = 65536 in fp32,
 // 131072 in 16 bits) keep the rest in dynamic shared memory, up to 128 KB a block, where
-// the device grants it (sm_80 and sm_90; on sm_75, 86 and 89 such rows keep four vectors
-// and the re-read): the whole row stays on its SM. Four vectors re-read past 4096 from L2:
+// the device grants it (sm_80 and sm_90 all of it; sm_86 and sm_89 99 KB, rows up to 14520
+// vectors; no cp.async on sm_75): the whole row stays on its SM. Rows the device cannot
+// stage keep four vectors and the re-read. Four vectors re-read past 4096 from L2:
 // fp32 8192x65536 1527-1548 us (66% of copy; compile 1557).
 constexpr int kWideStagedVecs = 8;
 // Only where the weight and output are of the input's type (16-byte vectors): with an fp32
