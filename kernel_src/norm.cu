@@ -45,11 +45,6 @@ constexpr int kWideStagedVecs = 8;
 // spilled. Such rows keep four vectors.
 template <typename T, typename W, typename O>
 constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
-// Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
-// 1024-thread block (0 when they fit in registers).
-inline std::size_t wide_staged_bytes(int64_t nvec) {
-  return static_cast<std::size_t>(std::max<int64_t>(nvec - kWideCachedVecs * 1024, 0)) * 16;
-}
 // The residual variants load two or three vectors (input, residual, gate) per vector they
 // cache and store the sum: at four vectors a thread they take 62-64 registers (sm_90), so
 // few rows are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits,
@@ -142,6 +137,11 @@ constexpr int kTwoVecMinBlocks = 3;
 // 1024-thread blocks (bf16 rows up to D = 32768 stay in registers); fused variants
 // need more registers: 512 threads, 128 registers.
 constexpr int max_block(bool residual, bool modulate) { return residual || modulate ? 512 : 1024; }
+// Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
+// block of plain rows (0 when they fit in registers).
+inline std::size_t wide_staged_bytes(int64_t nvec) {
+  return static_cast<std::size_t>(std::max<int64_t>(nvec - kWideCachedVecs * max_block(false, false), 0)) * 16;
+}
 
 template <typename T, typename W, typename O>
 struct NormParams {
