@@ -1,0 +1,139 @@
+// Candidate launches of rotate-half RoPE beside the production one, in one translation
+// unit with rope.cu (so the same compiler flags and helpers), as a torch op library:
+//   torch.ops.rope_variants.run(q, k, cos, sin, q_out, k_out, variant, head_blocks)
+// q and k are [B, H, S, D] views, cos and sin [B or 1, S, D] in q's 16-bit dtype; forward
+// only. Variant 0 is `launch` (what the package runs); the others run `variant_kernel`, a
+// lean whole-groups kernel: aligned 8- or 16-byte units, head counts that are multiples of
+// HEADS, every channel rotating, no pass-through. rope_variants.py builds and times them.
+#include "rope.cu"
+
+#include <torch/library.h>
+
+namespace ltx {
+namespace rope_variants {
+
+// HALF_TABLE reads only the tables' left half (Liger's assumption: the halves are equal),
+// to price the bytes it saves; TOKENS tokens share a block.
+template <typename T, int N, int HEADS, bool HALF_TABLE, int MAX_BLOCK, int MIN_BLOCKS, int TOKENS>
+__global__ void __launch_bounds__(MAX_BLOCK, MIN_BLOCKS) variant_kernel(const RopeParams<T, T> p, int tokens) {
+  const int rows_per_token = TOKENS == 1 ? blockDim.y : blockDim.y / TOKENS;
+  const int slot = TOKENS == 1 ? 0 : threadIdx.y / rows_per_token;
+  const int row = threadIdx.y - slot * rows_per_token;
+  const uint32_t token = blockIdx.x * TOKENS + slot;
+  if (TOKENS > 1 && token >= static_cast<uint32_t>(tokens)) return;
+  const uint32_t b = p.seq.div(token);
+  const uint32_t s = token - b * p.seq.divisor;
+  const T* cos = p.cos + b * p.table_b + s * p.table_s;
+  const T* sin = p.sin + b * p.table_b + s * p.table_s;
+  const TokenRows<T> rows(p.q, p.k, b, s);
+  const int heads = static_cast<int>(p.q.heads + p.k.heads);
+  const int second = p.rotary_dim / 2;
+  const int i = threadIdx.x * N;
+  float c1[N], s1[N], c2[N], s2[N];
+  const int first = (blockIdx.y * rows_per_token + row) * HEADS;
+  for (int h0 = first; h0 < heads; h0 += gridDim.y * rows_per_token * HEADS) {
+    const auto group = rows.group(h0);
+    Vec<T, N> x1[HEADS], x2[HEADS];
+#pragma unroll
+    for (int j = 0; j < HEADS; ++j) {
+      x1[j] = load_n<T, N, true>(group.in + j * group.in_h + i);
+      x2[j] = load_n<T, N, true>(group.in + j * group.in_h + i + second);
+    }
+    if (h0 == first) {
+      to_floats(load_n<T, N, true>(cos + i), c1);
+      to_floats(load_n<T, N, true>(sin + i), s1);
+      to_floats(load_n<T, N, true>(cos + (HALF_TABLE ? i : i + second)), c2);
+      to_floats(load_n<T, N, true>(sin + (HALF_TABLE ? i : i + second)), s2);
+    }
+#pragma unroll
+    for (int j = 0; j < HEADS; ++j) {
+      float a[N], o[N], r1[N], r2[N];
+      to_floats(x1[j], a);
+      to_floats(x2[j], o);
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        r1[e] = a[e] * c1[e] - o[e] * s1[e];
+        r2[e] = o[e] * c2[e] + a[e] * s2[e];
+      }
+      T* out = group.out + j * group.out_h;
+      store_n<T, N, true>(out + i, from_floats<T>(r1));
+      store_n<T, N, true>(out + i + second, from_floats<T>(r2));
+    }
+  }
+}
+
+template <typename T, int N, int HEADS, bool HALF_TABLE, int MAX_BLOCK, int MIN_BLOCKS, int TOKENS = 1>
+void launch_variant(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
+  const int tx = static_cast<int>(a.rotary_dim / 2 / N);
+  const int64_t heads = a.q.heads + a.k.heads;
+  const int rows = static_cast<int>((heads / HEADS + head_blocks - 1) / head_blocks);
+  const int tokens = static_cast<int>(a.batch * a.seq);
+  const bool takes = a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0 && a.rotary_dim == a.head_dim &&
+                     tx * rows * TOKENS <= MAX_BLOCK && vectorizable<T, T, N>(a);
+  TORCH_CHECK(takes, "rope_variants: this variant does not take these shapes");
+  const RopeParams<T, T> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const T*>(a.cos),
+                           static_cast<const T*>(a.sin), a.table_b, a.table_s, IntDivider(a.seq),
+                           static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim), false};
+  const dim3 grid((tokens + TOKENS - 1) / TOKENS, head_blocks);
+  variant_kernel<T, N, HEADS, HALF_TABLE, MAX_BLOCK, MIN_BLOCKS, TOKENS>
+      <<<grid, dim3(tx, rows * TOKENS), 0, stream>>>(p, tokens);
+  check_launch();
+}
+
+// Variant numbers are what rope_variants.py names; units of H = 8 bytes, F = 16 bytes.
+template <typename T>
+void run_variant(const RopeArgs& a, cudaStream_t stream, int64_t variant, int head_blocks) {
+  constexpr int H = kVec16<T> / 2;
+  constexpr int F = kVec16<T>;
+  switch (variant) {
+    case 0: return launch<T, T, false>(a, stream);
+    case 1: return launch_variant<T, H, 4, false, 192, 6>(a, stream, head_blocks);
+    case 2: return launch_variant<T, H, 4, true, 192, 6>(a, stream, head_blocks);
+    case 3: return launch_variant<T, H, 2, false, 320, 4>(a, stream, head_blocks);
+    case 4: return launch_variant<T, H, 2, false, 320, 3>(a, stream, head_blocks);
+    case 5: return launch_variant<T, H, 4, false, 320, 3, 2>(a, stream, head_blocks);
+    case 6: return launch_variant<T, H, 1, false, 512, 2>(a, stream, head_blocks);
+    case 7: return launch_variant<T, F, 1, false, 512, 2>(a, stream, head_blocks);
+    case 8: return launch_variant<T, F, 2, false, 256, 3>(a, stream, head_blocks);
+    default: TORCH_CHECK(false, "rope_variants: no variant ", variant);
+  }
+}
+
+RopeTensor rope_tensor(const at::Tensor& x, const at::Tensor& out) {
+  return {out.data_ptr(), x.data_ptr(), x.size(1), x.stride(0), x.stride(1), x.stride(2),
+          out.stride(0), out.stride(1), out.stride(2)};
+}
+
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+         const at::Tensor& q_out, const at::Tensor& k_out, int64_t variant, int64_t head_blocks) {
+  TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && cos.dtype() == q.dtype() &&
+                  sin.strides() == cos.strides() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
+              "rope_variants: q, k [B, H, S, D] and cos, sin [B or 1, S, D], all bf16 or all fp16, on CUDA");
+  RopeArgs a;
+  a.dtype = q.scalar_type();
+  a.device = q.device();
+  a.q = rope_tensor(q, q_out);
+  a.k = rope_tensor(k, k_out);
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.table_b = cos.size(0) == 1 ? 0 : cos.stride(0);
+  a.table_s = cos.stride(1);
+  a.batch = q.size(0);
+  a.seq = q.size(2);
+  a.head_dim = q.size(3);
+  a.rotary_dim = cos.size(2);
+  const c10::cuda::CUDAGuard guard(a.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
+  const int blocks = static_cast<int>(head_blocks);
+  if (a.dtype == at::kBFloat16) return run_variant<c10::BFloat16>(a, stream, variant, blocks);
+  run_variant<c10::Half>(a, stream, variant, blocks);
+}
+
+}  // namespace rope_variants
+}  // namespace ltx
+
+TORCH_LIBRARY(rope_variants, m) {
+  m.def("run(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor(a!) q_out, Tensor(b!) k_out, int variant, "
+        "int head_blocks) -> ()");
+}
+TORCH_LIBRARY_IMPL(rope_variants, CUDA, m) { m.impl("run", &ltx::rope_variants::run); }

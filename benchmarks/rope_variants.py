@@ -1,0 +1,145 @@
+"""Candidate rotate-half RoPE launches (rope_variants.cu) against the production launch and
+Liger-Kernel, on a CUDA GPU, in one process: kernel time by CUDA-graph replay with inputs
+rotated past L2 (harness.py), % of the copy bandwidth measured in the same run, and each
+variant's output checked bit-equal to the production kernel's first (HALF_TABLE variants
+too: the tables' halves are equal here, as in transformers').
+
+    python benchmarks/rope_variants.py [--variants 0/1,3/1,3/4] [--shapes big|small|all]
+
+A variant is NUMBER/HEAD_BLOCKS (blocks a token's heads are spread over). The .cu is built
+with nvcc against this python's torch into .build-cache/rope_variants (about 30 s, sm of the
+GPU only) and loaded as a torch op library. Tune a launch here, then port the winner into
+rope.cu and confirm it with bench_ops.py on the package build.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "benchmarks" / "rope_variants.cu"
+NAMES = {0: "production", 1: "4 heads, 160 threads", 2: "4 heads, left half of the tables",
+         3: "2 heads, 320 threads", 4: "2 heads, 320 threads, 64 regs", 5: "4 heads, 2 tokens a block",
+         6: "1 head, 8-byte units", 7: "1 head, 16-byte units", 8: "2 heads, 16-byte units"}
+SHAPES = {"big": [(1, 32, 8, 8192, 128, torch.bfloat16), (4, 32, 8, 4096, 128, torch.bfloat16),
+                  (1, 32, 8, 8192, 128, torch.float16)],
+          "small": [(1, 32, 8, 128, 128, torch.bfloat16), (1, 32, 8, 1, 128, torch.bfloat16),
+                    (1, 32, 8, 1024, 128, torch.bfloat16), (1, 32, 32, 16, 128, torch.bfloat16)]}
+
+
+def build(sm: str, out_dir: Path, check_only: bool = False) -> tuple[Path, list[str]]:
+    """nvcc the .cu into a shared library (or, check_only, a cubin: compiles, no link);
+    returns it and ptxas's lines for kernels that spill."""
+    torch_dir = Path(torch.__file__).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / (f"rope_variants_sm{sm}" + (".cubin" if check_only else ".so"))
+    cmd = ["nvcc", f"-arch=sm_{sm}", "-std=c++20", "-O3", "-DCUDA_KERNEL",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
+           f"-I{sysconfig.get_paths()['include']}", f"-I{REPO / 'kernel_src'}", "-Xptxas=-v", "-o", str(target)]
+    if check_only:
+        cmd += ["-cubin", str(SOURCE)]
+    else:
+        cmd += ["-shared", "-Xcompiler=-fPIC", str(SOURCE), f"-L{torch_dir / 'lib'}",
+                "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"nvcc failed:\n{result.stderr[-4000:]}")
+    spills = [line for line in result.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
+    return target, spills
+
+
+def make_inputs(b, hq, hkv, s, d, dtype):
+    # Views of [B, S, H, D] projections, as transformers' attention makes them; tables with
+    # equal halves, as transformers builds them.
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2) for h in (hq, hkv))
+    angle = torch.rand(b, s, d // 2, device="cuda")
+    table = torch.cat([angle, angle], -1)
+    return q, k, table.cos().to(dtype), table.sin().to(dtype)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default="0/1,1/1,2/1,3/1,3/4,4/1,5/1,6/4,7/4,8/1")
+    parser.add_argument("--shapes", choices=["big", "small", "all"], default="all")
+    parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
+    args = parser.parse_args()
+    major, minor = torch.cuda.get_device_capability()
+    library, spills = build(f"{major}{minor}", REPO / ".build-cache" / "rope_variants")
+    if spills:
+        print(f"warning: {len(spills)} kernels spill (their variants' timings suffer)")
+    torch.ops.load_library(str(library))
+    run = torch.ops.rope_variants.run
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction as liger
+    except ImportError as error:
+        print(f"Liger not run: {error}")
+        liger = None
+    bandwidth = harness.copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
+
+    def ours(variant, head_blocks):
+        def factory(inputs):
+            q, k, cos, sin = inputs
+            q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+
+            def call():
+                run(q, k, cos, sin, q_out, k_out, variant, head_blocks)
+                return q_out, k_out
+            return call
+        return factory
+
+    impls = [("liger", lambda inputs: (lambda: liger.apply(*inputs)))] if liger else []
+    for spec in args.variants.split(","):
+        variant, head_blocks = (int(x) for x in spec.split("/"))
+        impls.append((f"{spec} {NAMES.get(variant, '')}", ours(variant, head_blocks)))
+    shapes = SHAPES["big"] + SHAPES["small"] if args.shapes == "all" else SHAPES[args.shapes]
+    for b, hq, hkv, s, d, dtype in shapes:
+        first = make_inputs(b, hq, hkv, s, d, dtype)
+        nbytes = 2 * sum(x.numel() * x.element_size() for x in first[:2]) + sum(
+            x.numel() * x.element_size() for x in first[2:])
+        copies = harness.copies_for_cold_l2(nbytes)
+        sets = [first] + [make_inputs(b, hq, hkv, s, d, dtype) for _ in range(copies - 1)]
+        reference = ours(0, 1)(first)()
+        reference = tuple(x.clone() for x in reference)
+        print(f"\nq[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}] {str(dtype)[6:]}, {nbytes / 1e6:.1f} MB")
+        times = {}
+        for name, factory in impls[1 if liger else 0:]:
+            try:
+                out = factory(first)()
+            except RuntimeError as error:
+                times[name] = str(error).splitlines()[0]
+                continue
+            if not all(torch.equal(o, r) for o, r in zip(out, reference)):
+                times[name] = "WRONG RESULT (not bit-equal to production)"
+        calls_n = harness.calls_per_graph(copies, nbytes)
+        for rep in range(args.reps):
+            for name, factory in impls if rep % 2 == 0 else impls[::-1]:
+                if isinstance(times.get(name), str):
+                    continue
+                calls = [factory(sets[i % copies]) for i in range(calls_n)]
+                times.setdefault(name, []).append(harness.graph_time_us(calls))
+        peer = min(times["liger"]) if liger else None
+        for name, ts in times.items():
+            if isinstance(ts, str):
+                print(f"  {name:42s} {ts}")
+                continue
+            t = min(ts)
+            versus = f"  {t / peer:.3f} of Liger" if peer else ""
+            print(f"  {name:42s} {' '.join(f'{x:7.2f}' for x in ts)}  best {t:7.2f} us "
+                  f"{nbytes / t / 1e3 / bandwidth * 100:5.1f}%{versus}")
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("rope_variants.py needs a CUDA GPU")
+    os.chdir(REPO)
+    main()
