@@ -13,7 +13,6 @@ rope.cu and confirm it with bench_ops.py on the package build.
 """
 
 import argparse
-import os
 import subprocess
 import sys
 import sysconfig
@@ -141,5 +140,4 @@ def main():
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         raise SystemExit("rope_variants.py needs a CUDA GPU")
-    os.chdir(REPO)
     main()
