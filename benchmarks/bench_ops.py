@@ -176,6 +176,16 @@ def size_of(obj) -> int:
     return sum(t.numel() * t.element_size() for t in flatten(obj))
 
 
+def rotate_half_inputs(b: int, hq: int, hkv: int, s: int, d: int, device, dtype=BF16) -> tuple:
+    """q [b, hq, s, d], k [b, hkv, s, d] as views of [B, S, H, D] projections (as
+    transformers' attention makes them) and cos, sin [b, s, d] with equal halves (as
+    transformers' rotary embeddings build them)."""
+    q, k = (torch.randn(b, s, h, d, device=device, dtype=dtype).transpose(1, 2) for h in (hq, hkv))
+    angle = torch.rand(b, s, d // 2, device=device)
+    table = torch.cat([angle, angle], -1)
+    return q, k, table.cos().to(dtype), table.sin().to(dtype)
+
+
 def as_tuple(outputs) -> tuple:
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
@@ -312,11 +322,7 @@ class CaseBuilder:
         quack_rotary = self.libs.attr("quack.rotary", "apply_rotary_emb")
         for b, hq, hkv, s, d in self.shapes.rope_rotate_half:
             def inputs(b=b, hq=hq, hkv=hkv, s=s, d=d):
-                # Views of [B, S, H, D] projections, as transformers' attention makes them.
-                q, k = (self.randn(b, s, h, d).transpose(1, 2) for h in (hq, hkv))
-                angle = torch.rand(b, s, d // 2, device=self.device)
-                table = torch.cat([angle, angle], -1)
-                return q, k, table.cos().to(BF16), table.sin().to(BF16)
+                return rotate_half_inputs(b, hq, hkv, s, d, self.device)
 
             def quack_rope(q, k, cos, sin):
                 # flash-attn layout: x [B, S, H, D], tables [S, D/2] shared by the batch (B = 1 only).

@@ -1,7 +1,7 @@
 // Candidate launches of rotate-half RoPE beside the production one, in one translation
 // unit with rope.cu (so the same compiler flags and helpers), as a torch op library:
 //   torch.ops.rope_variants.run(q, k, cos, sin, q_out, k_out, variant, head_blocks)
-// q and k are [B, H, S, D] views, cos and sin [B or 1, S, D] in q's 16-bit dtype; forward
+// q and k are [B, H, S, D] (views), cos and sin [S, D] or [B, S, D] in q's dtype; forward
 // only. Variant 0 is `launch` (what the package runs); the others run `variant_kernel`, a
 // lean whole-groups kernel: aligned 8- or 16-byte units, head counts that are multiples of
 // HEADS, every channel rotating, no pass-through. rope_variants.py builds and times them.
@@ -99,34 +99,26 @@ void run_variant(const RopeArgs& a, cudaStream_t stream, int64_t variant, int he
   }
 }
 
-RopeTensor rope_tensor(const at::Tensor& x, const at::Tensor& out) {
-  return {out.data_ptr(), x.data_ptr(), x.size(1), x.stride(0), x.stride(1), x.stride(2),
-          out.stride(0), out.stride(1), out.stride(2)};
-}
+// rope_apply (rope.h) checks and lays out the arguments as the package's op does, then
+// hands them here with the variant the call asked for.
+struct VariantBackend {
+  static constexpr c10::DeviceType device = c10::kCUDA;
+  static inline int64_t variant = 0;
+  static inline int head_blocks = 1;
+  static void run(const RopeArgs& a) {
+    TORCH_CHECK(!a.interleaved && !a.table_fp32, "rope_variants: rotate-half, tables in q's dtype");
+    const c10::cuda::CUDAGuard guard(a.device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
+    LTX_DISPATCH_FLOAT_TYPES(a.dtype, "rope_variants", [&] { run_variant<scalar_t>(a, stream, variant, head_blocks); });
+  }
+};
 
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
-         const at::Tensor& q_out, const at::Tensor& k_out, int64_t variant, int64_t head_blocks) {
-  TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && cos.dtype() == q.dtype() &&
-                  sin.strides() == cos.strides() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
-              "rope_variants: q, k [B, H, S, D] and cos, sin [B or 1, S, D], all bf16 or all fp16, on CUDA");
-  RopeArgs a;
-  a.dtype = q.scalar_type();
-  a.device = q.device();
-  a.q = rope_tensor(q, q_out);
-  a.k = rope_tensor(k, k_out);
-  a.cos = cos.data_ptr();
-  a.sin = sin.data_ptr();
-  a.table_b = cos.size(0) == 1 ? 0 : cos.stride(0);
-  a.table_s = cos.stride(1);
-  a.batch = q.size(0);
-  a.seq = q.size(2);
-  a.head_dim = q.size(3);
-  a.rotary_dim = cos.size(2);
-  const c10::cuda::CUDAGuard guard(a.device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
-  const int blocks = static_cast<int>(head_blocks);
-  if (a.dtype == at::kBFloat16) return run_variant<c10::BFloat16>(a, stream, variant, blocks);
-  run_variant<c10::Half>(a, stream, variant, blocks);
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, at::Tensor q_out,
+         at::Tensor k_out, int64_t variant, int64_t head_blocks) {
+  VariantBackend::variant = variant;
+  VariantBackend::head_blocks = static_cast<int>(head_blocks);
+  rope_apply<VariantBackend>(q_out, k_out, q, k, cos, sin, /*interleaved=*/false, /*sequence_dim=*/2,
+                             /*inverse=*/false);
 }
 
 }  // namespace rope_variants

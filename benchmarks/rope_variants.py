@@ -15,15 +15,16 @@ rope.cu and confirm it with bench_ops.py on the package build.
 import argparse
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
+import bench_ops  # noqa: E402
+import harness  # noqa: E402
+from builder.toolchain import find_nvcc, find_torch, python_include  # noqa: E402
+
 SOURCE = REPO / "benchmarks" / "rope_variants.cu"
 NAMES = {0: "production", 1: "4 heads, 160 threads", 2: "4 heads, left half of the tables",
          3: "2 heads, 320 threads", 4: "2 heads, 320 threads, 64 regs", 5: "4 heads, 2 tokens a block",
@@ -37,32 +38,24 @@ SHAPES = {"big": [(1, 32, 8, 8192, 128, torch.bfloat16), (4, 32, 8, 4096, 128, t
 def build(sm: str, out_dir: Path, check_only: bool = False) -> tuple[Path, list[str]]:
     """nvcc the .cu into a shared library (or, check_only, a cubin: compiles, no link);
     returns it and ptxas's lines for kernels that spill."""
-    torch_dir = Path(torch.__file__).parent
+    nvcc, torch_build = find_nvcc(), find_torch()
+    if nvcc is None:
+        raise SystemExit("no nvcc found (set CUDA_HOME or put nvcc on PATH)")
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / (f"rope_variants_sm{sm}" + (".cubin" if check_only else ".so"))
-    cmd = ["nvcc", f"-arch=sm_{sm}", "-std=c++20", "-O3", "-DCUDA_KERNEL",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
-           f"-I{sysconfig.get_paths()['include']}", f"-I{REPO / 'kernel_src'}", "-Xptxas=-v", "-o", str(target)]
+    includes = [f"-I{d}" for d in (*torch_build.include_dirs, python_include(), REPO / "kernel_src")]
+    cmd = [str(nvcc.path), f"-arch=sm_{sm}", "-std=c++20", "-O3", "-DCUDA_KERNEL",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_build.cxx11_abi)}", *includes, "-Xptxas=-v", "-o", str(target)]
     if check_only:
         cmd += ["-cubin", str(SOURCE)]
     else:
-        cmd += ["-shared", "-Xcompiler=-fPIC", str(SOURCE), f"-L{torch_dir / 'lib'}",
+        cmd += ["-shared", "-Xcompiler=-fPIC", str(SOURCE), f"-L{torch_build.lib_dir}",
                 "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"nvcc failed:\n{result.stderr[-4000:]}")
     spills = [line for line in result.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
     return target, spills
-
-
-def make_inputs(b, hq, hkv, s, d, dtype):
-    # Views of [B, S, H, D] projections, as transformers' attention makes them; tables with
-    # equal halves, as transformers builds them.
-    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2) for h in (hq, hkv))
-    angle = torch.rand(b, s, d // 2, device="cuda")
-    table = torch.cat([angle, angle], -1)
-    return q, k, table.cos().to(dtype), table.sin().to(dtype)
 
 
 def main():
@@ -77,11 +70,10 @@ def main():
         print(f"warning: {len(spills)} kernels spill (their variants' timings suffer)")
     torch.ops.load_library(str(library))
     run = torch.ops.rope_variants.run
-    try:
-        from liger_kernel.ops.rope import LigerRopeFunction as liger
-    except ImportError as error:
-        print(f"Liger not run: {error}")
-        liger = None
+    libs = bench_ops.load_libraries(on_cuda=True)
+    liger = libs.attr("liger", "LigerRopeFunction")
+    if liger is None:
+        print(f"Liger not run: {libs.missing.get('liger', 'no LigerRopeFunction')}")
     bandwidth = harness.copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
 
@@ -102,11 +94,10 @@ def main():
         impls.append((f"{spec} {NAMES.get(variant, '')}", ours(variant, head_blocks)))
     shapes = SHAPES["big"] + SHAPES["small"] if args.shapes == "all" else SHAPES[args.shapes]
     for b, hq, hkv, s, d, dtype in shapes:
-        first = make_inputs(b, hq, hkv, s, d, dtype)
-        nbytes = 2 * sum(x.numel() * x.element_size() for x in first[:2]) + sum(
-            x.numel() * x.element_size() for x in first[2:])
+        first = bench_ops.rotate_half_inputs(b, hq, hkv, s, d, "cuda", dtype)
+        nbytes = bench_ops.size_of(first) + bench_ops.size_of(first[:2])  # q, k written back
         copies = harness.copies_for_cold_l2(nbytes)
-        sets = [first] + [make_inputs(b, hq, hkv, s, d, dtype) for _ in range(copies - 1)]
+        sets = [first] + [bench_ops.rotate_half_inputs(b, hq, hkv, s, d, "cuda", dtype) for _ in range(copies - 1)]
         reference = ours(0, 1)(first)()
         reference = tuple(x.clone() for x in reference)
         print(f"\nq[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}] {str(dtype)[6:]}, {nbytes / 1e6:.1f} MB")

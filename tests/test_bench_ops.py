@@ -4,7 +4,6 @@ The RoPE tuning harness (rope_variants.cu, built beside rope.cu's internals) sti
 spill-free, for every arch the package targets."""
 
 import json
-import shutil
 import sys
 import types
 from pathlib import Path
@@ -72,7 +71,7 @@ def test_smoke_run_of_every_op_passes_the_check(monkeypatch, tmp_path):
     assert not [row for row in results["skipped"] if row["impl"] == "ltx"]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or torch.version.cuda is None,
+@pytest.mark.skipif(rope_variants.find_nvcc() is None or torch.version.cuda is None,
                     reason="needs nvcc and a CUDA build of torch (CI and the GPU machine have both)")
 @pytest.mark.parametrize("sm", ["75", "80", "90"])
 def test_rope_variants_harness_compiles_without_spills(sm, tmp_path):
