@@ -13,14 +13,14 @@ namespace {
 
 constexpr int kUnitThreads = 256;  // threads across one head's channels
 constexpr int kMaxBlock = 512;  // fp32 tables of rotate-half need more than 64 registers
-// The whole-groups kernel (see rope_kernel) fits 56 registers at blocks of up to 192
-// threads: seven 160-thread blocks (a token of 32 + 8 heads) per SM, where 58-61 registers
-// held six.
-constexpr int kWholeGroupsBlock = 192;
+// The whole-groups kernel (see rope_kernel) takes a token of 32 + 8 heads, two a row of
+// threads, in one 320-thread block; four such blocks per SM (51 registers) keep enough
+// loads in flight.
+constexpr int kWholeGroupsBlock = 320;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
-constexpr int kWholeGroupsMinBlocks = 5;  // sm_75 holds 1024 threads per SM
+constexpr int kWholeGroupsMinBlocks = 3;  // sm_75 holds 1024 threads per SM
 #else
-constexpr int kWholeGroupsMinBlocks = 6;
+constexpr int kWholeGroupsMinBlocks = 4;
 #endif
 constexpr int max_block(bool whole_groups) { return whole_groups ? kWholeGroupsBlock : kMaxBlock; }
 
@@ -182,7 +182,9 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
       }
     }
   }
-  // Channels past the rotary dim pass through (nothing to do in place).
+  // Channels past the rotary dim pass through (nothing to do in place). Most models rotate
+  // every channel: return before the loop, whose per-head pointer set-up alone cost ~8%.
+  if (p.rotary_dim == p.head_dim) return;
   for (int h = blockIdx.y * blockDim.y + threadIdx.y; h < heads; h += gridDim.y * blockDim.y) {
     const T* in = rows.in(h);
     T* out = rows.out(h);
@@ -247,26 +249,20 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     if (vectorizable<T, C, V>(a)) return launch_with<T, C, true, V, 2>(a, stream);
     return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned
   } else {
-    // Many tokens: 8-byte units of four heads each, so a thread has 64 bytes of heads in
-    // flight and converts its four table vectors once for four heads (H200,
-    // q[1,32,8192,128] bf16: 47 us against 65 us with 16-byte units of one head).
-    // Few tokens: one head per thread spreads a token over more threads
-    // (q[1,32,128,128]: 3.3 us against 3.8 us), and its heads over two blocks over more
-    // SMs (q[1,32,S,128], k 8 heads, S = 128: 3.29 -> 3.20 us, Liger 3.16; S = 1: 2.38 ->
-    // 2.26; S = 64: 2.83 -> 2.89; four blocks: 3.22, 2.25, 2.89). fp32 takes the same
-    // units: 90 us, where 16-byte units of one head take 106 us (and of two or four, 87
-    // us: not worth a fourth instantiation).
+    // 8-byte units of two heads each: a thread has 32 bytes of heads in flight and
+    // converts its two table vectors once for both. Few tokens spread their heads over
+    // four blocks (over more SMs). Head counts that are multiples of two take whole groups.
+    // H200, bf16, in a harness beside the lean kernels (benchmarks/rope_variants.py):
+    // four-head units took q[1,32,8192,128] 44.7 us where two-head ones take 43.8; with
+    // four blocks, q[1,32,128,128] 2.80 us against 3.12 (16-byte units of one head over
+    // two blocks), q,k[1,32,16,128] 2.29 against 2.61. fp32 takes the same 8-byte units.
     constexpr int kHalfVec = V / 2;
     if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
-    const bool many_tokens = two_rows_per_sm(a.batch * a.seq, a.device.index());
-    if (many_tokens || !vectorizable<T, C, V>(a)) {
-      // Head counts that are multiples of four (Llama, Qwen, Mistral) take whole groups:
-      // 3-4% faster (q[1,32,8192,128] 46.9 -> 45.2 us, its backward 46.8 -> 44.8 us).
-      const bool whole_groups = a.q.heads % 4 == 0 && a.k.heads % 4 == 0;
-      return whole_groups ? launch_with<T, C, false, kHalfVec, 4, true>(a, stream)
-                          : launch_with<T, C, false, kHalfVec, 4>(a, stream);
+    const int head_blocks = two_rows_per_sm(a.batch * a.seq, a.device.index()) ? 1 : 4;
+    if (a.q.heads % 2 == 0 && a.k.heads % 2 == 0) {
+      return launch_with<T, C, false, kHalfVec, 2, true>(a, stream, head_blocks);
     }
-    return launch_with<T, C, false, V, 1>(a, stream, 2);
+    return launch_with<T, C, false, kHalfVec, 2>(a, stream, head_blocks);
   }
 }
 

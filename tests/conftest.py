@@ -6,6 +6,8 @@ tensors (whenever torch is a CUDA build); the CUDA variant on the GPU (when one 
 present; skipped without a GPU). Build first: `python -m builder`.
 """
 
+import fcntl
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,31 @@ def kernel(target):
 @pytest.fixture
 def device(target):
     return target[1]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "rebuilds_build_folder: damages and rebuilds build/; runs alone")
+
+
+@contextmanager
+def _build_folder_held(exclusive: bool):
+    """Parallel test processes (pytest -n, .ci/gpu's groups) share build/. Every test holds
+    it shared; a test that damages and rebuilds it holds it alone, closing the turnstile
+    first so that a stream of shared holders cannot starve it."""
+    locks = REPO / ".build-cache"
+    locks.mkdir(exist_ok=True)
+    with open(locks / "tests.turnstile", "a") as turnstile, open(locks / "tests.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _build_folder(request):
+    with _build_folder_held(exclusive=request.node.get_closest_marker("rebuilds_build_folder") is not None):
+        yield
 
 
 @pytest.fixture(autouse=True)

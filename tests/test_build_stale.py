@@ -77,6 +77,7 @@ def test_a_deleted_header_forces_a_rebuild_and_fails_loudly(project):
         rebuilt(jobs())
 
 
+@pytest.mark.rebuilds_build_folder
 def test_the_build_folder_is_rebuilt_from_current_sources():
     """A shipped file that differs from its source (edited after the build, or left by
     an older build) is replaced by the next build: the package is copied afresh."""

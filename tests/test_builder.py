@@ -106,6 +106,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 360 bytes cmem[0]
     assert (clean.arch, clean.registers, clean.spills) == ("sm_80", 30, False)
 
 
+@pytest.mark.rebuilds_build_folder
 def test_a_damaged_build_is_rebuilt():
     """Every build reassembles build/<variant>/ from checked objects: a deleted extension,
     an edited _ops.py, a stray file or a truncated cached object do not survive it."""
