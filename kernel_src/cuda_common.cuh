@@ -8,6 +8,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -66,6 +68,26 @@ __device__ __forceinline__ Vec<T, N> from_floats(const float (&in)[N]) {
 #pragma unroll
   for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(in[j]);
   return v;
+}
+
+// a * b element-wise, each product rounded once to T, in one instruction per pair (fp16
+// and bf16, N even): the exact product of two 16-bit floats fits fp32's significand, so
+// this equals rounding float(a) * float(b), which takes four conversions and a multiply
+// more. sm_75 has no bf16 arithmetic: its bf16 pairs go through fp32, with the same result.
+template <typename T>
+constexpr bool kPackedMul = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> mul_rounded(const Vec<T, N>& a, const Vec<T, N>& b) {
+  static_assert(kPackedMul<T> && N % 2 == 0, "mul_rounded: pairs of fp16 or bf16");
+  using Pair = std::conditional_t<std::is_same_v<T, c10::Half>, __half2, __nv_bfloat162>;
+  Vec<T, N> r;
+  const Pair* pa = reinterpret_cast<const Pair*>(a.v);
+  const Pair* pb = reinterpret_cast<const Pair*>(b.v);
+  Pair* pr = reinterpret_cast<Pair*>(r.v);
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) pr[j] = __hmul2(pa[j], pb[j]);
+  return r;
 }
 
 template <typename T, int N>

@@ -28,7 +28,11 @@ constexpr int kCachedVecs = 4;
 // 293-295 / 268-269 / 265 (261), fp32 8192x16384 273-274 / 266-267 / 264-265 (256), bf16
 // 8192x24576 244 / 218 / 198 (192), bf16 128x65536 13.3 / 13.3 / 12.3 (17.7). Eight
 // vectors on 256 threads lost at 2048 vectors: fp32 32768x8192 516-522 / 531-536 us, bf16
-// 8192x16384 134-135 / 135-137.
+// 8192x16384 134-135 / 135-137. The Llama order's weight multiply in 16-bit pairs
+// (mul_rounded), against conversions to fp32 and back, two runs each: fp16 8192x65536
+// 553.7-562.7 -> 522.9-527.4 us (quack 518.3), bf16 531.4-531.9 -> 522.4-527.6 (quack
+// 521.2). A row over a cluster of 2-16 blocks, each staging its slice in shared memory
+// with cp.async (quack's layout), took 0.97-1.02x this kernel's time at 16 bits: dropped.
 constexpr int kWideCachedVecs = 8;
 // Weight vectors the wide row kernel loads ahead of its writes: bf16 8192x65536 548-562 us
 // at one, 523-537 at two; four spill in 16 bits.
@@ -398,7 +402,8 @@ bool vectorizable(const NormArgs& a) {
 // general kernel / this one, us: rms_norm bf16 128x4096 2.95 / 2.57 (Liger 2.67), 32x8192
 // 2.90 / 2.57 (2.80), 128x8192 3.63 / 3.25 (3.47), 1024x2048 4.32 / 4.02 (4.19), 2048x8192
 // 19.63 / 19.38 (19.93), 8192x8192 70.86 / 68.73 (70.67); Llama order 128x4096 2.94 /
-// 2.72; fp32 weight 3.41 / 2.74; fp32 128x4096 3.47 / 3.30 (3.24). In place (out ==
+// 2.72, with its weight multiply in 16-bit pairs (mul_rounded) 2.7 -> 2.5 (1024x2048 4.1
+// -> 4.0, 4096x4096 18.8 -> 18.4); fp32 weight 3.41 / 2.74; fp32 128x4096 3.47 / 3.30 (3.24). In place (out ==
 // input) stays correct despite __restrict__: a block reads all of its row before the
 // reduction's barrier and writes it after.
 template <typename T, typename W, typename O, int VEC, bool CAST>
@@ -439,8 +444,12 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   O* y = out + blockIdx.x * out_stride;
   auto write = [&](float (&f)[VEC], const Vec<W, VEC>& w, int i) {
 #pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] *= rstd;
+    if constexpr (CAST && kPackedMul<T> && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+      if (weight_offset == 0.f) return store_vec<O, VEC>(y, i, mul_rounded(from_floats<T>(f), w));
+    }
+#pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      f[j] *= rstd;
       if constexpr (CAST) f[j] = to_float(from_float<T>(f[j]));
     }
     if constexpr (CAST) weigh(f, w);
@@ -503,25 +512,41 @@ __global__ void __launch_bounds__(max_block(false, false))
   }
   const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
   T* y = out + blockIdx.x * out_stride;
+  // PAIRED: the Llama order without a weight offset multiplies the rounded row by the weight
+  // in 16-bit pairs (mul_rounded: the same result, the write in three instructions an
+  // element instead of six, sm_90 SASS). H200: see kWideCachedVecs.
+  const auto write_row = [&](auto paired) {
+    constexpr bool PAIRED = decltype(paired)::value;
 #pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i >= nvec) break;
-    float f[VEC], wf[VEC];
-    to_floats(vec_at(k, i), f);
-    if constexpr (WEIGHTED) to_floats(w[k % kWideWeightAhead], wf);
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i >= nvec) break;
+      float f[VEC];
+      to_floats(vec_at(k, i), f);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      f[j] *= rstd;
-      if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
-      if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
+      for (int j = 0; j < VEC; ++j) f[j] *= rstd;
+      if constexpr (PAIRED) {
+        store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f), w[k % kWideWeightAhead]));
+      } else {
+        float wf[VEC];
+        if constexpr (WEIGHTED) to_floats(w[k % kWideWeightAhead], wf);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
+          if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
+        }
+        store_vec<T, VEC>(y, i, from_floats<T>(f));
+      }
+      const int next = i + kWideWeightAhead * blockDim.x;
+      if (WEIGHTED && k + kWideWeightAhead < kVecs && next < nvec) {
+        w[k % kWideWeightAhead] = load_vec<T, VEC>(weight, next);
+      }
     }
-    store_vec<T, VEC>(y, i, from_floats<T>(f));
-    const int next = i + kWideWeightAhead * blockDim.x;
-    if (WEIGHTED && k + kWideWeightAhead < kVecs && next < nvec) {
-      w[k % kWideWeightAhead] = load_vec<T, VEC>(weight, next);
-    }
+  };
+  if constexpr (WEIGHTED && CAST && kPackedMul<T>) {
+    if (weight_offset == 0.f) return write_row(std::true_type{});
   }
+  write_row(std::false_type{});
 }
 
 // A block a row: the two-vector rows (cached == 2, with a weight) or the wide rows

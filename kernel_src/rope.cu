@@ -226,6 +226,7 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
   const int64_t groups = (heads + HEADS - 1) / HEADS;
+  head_blocks = static_cast<int>(std::min<int64_t>(head_blocks, std::max<int64_t>(groups, 1)));  // no empty blocks
   const int64_t groups_per_block = (groups + head_blocks - 1) / head_blocks;
   const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_block(WHOLE_GROUPS) / tx));
   const int64_t blocks = a.batch * a.seq;

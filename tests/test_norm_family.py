@@ -46,6 +46,19 @@ def test_cast_before_weight(kernel, device, shape, dtype):
     assert_close(y, rms_norm_ref(x, w, 1e-6, cast_before_weight=True), dtype, roundings=2)
 
 
+# The Llama order rounds twice: the norm to the input's dtype, then its product with the
+# weight, which is exact in fp32 (CUDA's wide rows multiply 16-bit pairs, each product
+# rounded once). So it equals the weightless norm of the same rows (on CUDA the same
+# kernel and sum: eight vectors a thread at these widths) times the weight, rounded once.
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("shape", [(2, 65536), (33, 65536), (300, 32768)], ids=shape_id)
+def test_cast_before_weight_rounds_the_weighted_product_once(kernel, device, shape, dtype):
+    x, w = make(shape, dtype, device), make(shape[-1:], dtype, device)
+    normed = kernel.rms_norm(x, None, 1e-6)
+    y = kernel.rms_norm(x, w, 1e-6, cast_before_weight=True)
+    assert torch.equal(y, (normed.float() * w.float()).to(dtype))
+
+
 @pytest.mark.parametrize("cast_before_weight", [False, True])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out_input_dtype", "out_fp32"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
