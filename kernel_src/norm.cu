@@ -403,9 +403,9 @@ bool vectorizable(const NormArgs& a) {
 // 2.90 / 2.57 (2.80), 128x8192 3.63 / 3.25 (3.47), 1024x2048 4.32 / 4.02 (4.19), 2048x8192
 // 19.63 / 19.38 (19.93), 8192x8192 70.86 / 68.73 (70.67); Llama order 128x4096 2.94 /
 // 2.72, with its weight multiply in 16-bit pairs (mul_rounded) 2.7 -> 2.5 (1024x2048 4.1
-// -> 4.0, 4096x4096 18.8 -> 18.4); fp32 weight 3.41 / 2.74; fp32 128x4096 3.47 / 3.30 (3.24). In place (out ==
-// input) stays correct despite __restrict__: a block reads all of its row before the
-// reduction's barrier and writes it after.
+// -> 4.0, 4096x4096 18.8 -> 18.4); fp32 weight 3.41 / 2.74; fp32 128x4096 3.47 / 3.30
+// (3.24). In place (out == input) stays correct despite __restrict__: a block reads all of
+// its row before the reduction's barrier and writes it after.
 template <typename T, typename W, typename O, int VEC, bool CAST>
 __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
     rms_norm_row_kernel(const T* __restrict__ input, const W* __restrict__ weight, O* __restrict__ out,
