@@ -13,7 +13,6 @@ rope.cu and confirm it with bench_ops.py on the package build.
 """
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 import bench_ops  # noqa: E402
 import harness  # noqa: E402
-from builder.toolchain import find_nvcc, find_torch, python_include  # noqa: E402
+from variants_build import load, time_and_print  # noqa: E402
 
 SOURCE = REPO / "benchmarks" / "rope_variants.cu"
 NAMES = {0: "production", 1: "4 heads, 160 threads", 2: "4 heads, left half of the tables",
@@ -35,40 +34,13 @@ SHAPES = {"big": [(1, 32, 8, 8192, 128, torch.bfloat16), (4, 32, 8, 4096, 128, t
                     (1, 32, 8, 1024, 128, torch.bfloat16), (1, 32, 32, 16, 128, torch.bfloat16)]}
 
 
-def build(sm: str, out_dir: Path, check_only: bool = False) -> tuple[Path, list[str]]:
-    """nvcc the .cu into a shared library (or, check_only, a cubin: compiles, no link);
-    returns it and ptxas's lines for kernels that spill."""
-    nvcc, torch_build = find_nvcc(), find_torch()
-    if nvcc is None:
-        raise SystemExit("no nvcc found (set CUDA_HOME or put nvcc on PATH)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / (f"rope_variants_sm{sm}" + (".cubin" if check_only else ".so"))
-    includes = [f"-I{d}" for d in (*torch_build.include_dirs, python_include(), REPO / "kernel_src")]
-    cmd = [str(nvcc.path), f"-arch=sm_{sm}", "-std=c++20", "-O3", "-DCUDA_KERNEL",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_build.cxx11_abi)}", *includes, "-Xptxas=-v", "-o", str(target)]
-    if check_only:
-        cmd += ["-cubin", str(SOURCE)]
-    else:
-        cmd += ["-shared", "-Xcompiler=-fPIC", str(SOURCE), f"-L{torch_build.lib_dir}",
-                "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"nvcc failed:\n{result.stderr[-4000:]}")
-    spills = [line for line in result.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
-    return target, spills
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="0/1,1/1,2/1,3/1,3/4,4/1,5/1,6/4,7/4,8/1")
     parser.add_argument("--shapes", choices=["big", "small", "all"], default="all")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
-    major, minor = torch.cuda.get_device_capability()
-    library, spills = build(f"{major}{minor}", REPO / ".build-cache" / "rope_variants")
-    if spills:
-        print(f"warning: {len(spills)} kernels spill (their variants' timings suffer)")
-    torch.ops.load_library(str(library))
+    load(SOURCE)
     run = torch.ops.rope_variants.run
     libs = bench_ops.load_libraries(on_cuda=True)
     liger = libs.attr("liger", "LigerRopeFunction")
@@ -101,31 +73,16 @@ def main():
         reference = ours(0, 1)(first)()
         reference = tuple(x.clone() for x in reference)
         print(f"\nq[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}] {str(dtype)[6:]}, {nbytes / 1e6:.1f} MB")
-        times = {}
+        skipped = {}
         for name, factory in impls[1 if liger else 0:]:
             try:
                 out = factory(first)()
             except RuntimeError as error:
-                times[name] = str(error).splitlines()[0]
+                skipped[name] = str(error).splitlines()[0]
                 continue
             if not all(torch.equal(o, r) for o, r in zip(out, reference)):
-                times[name] = "WRONG RESULT (not bit-equal to production)"
-        calls_n = harness.calls_per_graph(copies, nbytes)
-        for rep in range(args.reps):
-            for name, factory in impls if rep % 2 == 0 else impls[::-1]:
-                if isinstance(times.get(name), str):
-                    continue
-                calls = [factory(sets[i % copies]) for i in range(calls_n)]
-                times.setdefault(name, []).append(harness.graph_time_us(calls))
-        peer = min(times["liger"]) if liger else None
-        for name, ts in times.items():
-            if isinstance(ts, str):
-                print(f"  {name:42s} {ts}")
-                continue
-            t = min(ts)
-            versus = f"  {t / peer:.3f} of Liger" if peer else ""
-            print(f"  {name:42s} {' '.join(f'{x:7.2f}' for x in ts)}  best {t:7.2f} us "
-                  f"{nbytes / t / 1e3 / bandwidth * 100:5.1f}%{versus}")
+                skipped[name] = "WRONG RESULT (not bit-equal to production)"
+        time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="liger", width=42)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """bench_ops times only what computes the op: an implementation whose error sets it apart
 from every other is skipped as wrong, and a wrong ltx fails the run (its report written).
-The RoPE tuning harness (rope_variants.cu, built beside rope.cu's internals) still compiles,
-spill-free, for every arch the package targets."""
+The launch-tuning harnesses (rope_variants.cu and norm_variants.cu, built beside their
+kernels' internals) still compile, spill-free, for every arch the package targets."""
 
 import json
 import sys
@@ -14,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_ops  # noqa: E402
-import rope_variants  # noqa: E402
+import variants_build  # noqa: E402
 
 
 def test_wrong_results_flags_only_the_outlier():
@@ -71,10 +71,11 @@ def test_smoke_run_of_every_op_passes_the_check(monkeypatch, tmp_path):
     assert not [row for row in results["skipped"] if row["impl"] == "ltx"]
 
 
-@pytest.mark.skipif(rope_variants.find_nvcc() is None or torch.version.cuda is None,
+@pytest.mark.skipif(variants_build.find_nvcc() is None or torch.version.cuda is None,
                     reason="needs nvcc and a CUDA build of torch (CI and the GPU machine have both)")
 @pytest.mark.parametrize("sm", ["75", "80", "90"])
-def test_rope_variants_harness_compiles_without_spills(sm, tmp_path):
-    cubin, spills = rope_variants.build(sm, tmp_path, check_only=True)
+@pytest.mark.parametrize("harness", ["rope_variants", "norm_variants"])
+def test_variants_harness_compiles_without_spills(harness, sm, tmp_path):
+    cubin, spills = variants_build.build(REPO / "benchmarks" / f"{harness}.cu", sm, tmp_path, check_only=True)
     assert cubin.stat().st_size > 0
     assert spills == []

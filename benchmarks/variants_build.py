@@ -1,0 +1,71 @@
+"""What the launch-variants harnesses share (rope_variants.py, norm_variants.py): building
+their .cu (which includes a kernel_src/ .cu and registers a torch op library) with nvcc
+against this python's torch, as a shared library to load or (check_only) a cubin that
+proves it compiles; and timing the candidates side by side."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
+import harness  # noqa: E402
+from builder.toolchain import find_nvcc, find_torch, python_include  # noqa: E402
+
+
+def build(source: Path, sm: str, out_dir: Path, check_only: bool = False) -> tuple[Path, list[str]]:
+    """The library (or cubin) and ptxas's lines for kernels that spill."""
+    nvcc, torch_build = find_nvcc(), find_torch()
+    if nvcc is None:
+        raise SystemExit("no nvcc found (set CUDA_HOME or put nvcc on PATH)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / (f"{source.stem}_sm{sm}" + (".cubin" if check_only else ".so"))
+    includes = [f"-I{d}" for d in (*torch_build.include_dirs, python_include(), REPO / "kernel_src")]
+    cmd = [str(nvcc.path), f"-arch=sm_{sm}", "-std=c++20", "-O3", "-DCUDA_KERNEL",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_build.cxx11_abi)}", *includes, "-Xptxas=-v", "-o", str(target)]
+    if check_only:
+        cmd += ["-cubin", str(source)]
+    else:
+        cmd += ["-shared", "-Xcompiler=-fPIC", str(source), f"-L{torch_build.lib_dir}",
+                "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"nvcc failed:\n{result.stderr[-4000:]}")
+    spills = [line for line in result.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
+    return target, spills
+
+
+def load(source: Path) -> None:
+    """Builds the harness for this GPU's arch into .build-cache/<name> and loads its ops
+    (torch.ops.<name>), warning when a kernel spills: its timings then suffer."""
+    major, minor = torch.cuda.get_device_capability()
+    library, spills = build(source, f"{major}{minor}", REPO / ".build-cache" / source.stem)
+    if spills:
+        print(f"warning: {len(spills)} kernels spill (their variants' timings suffer)")
+    torch.ops.load_library(str(library))
+
+
+def time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer, notes=None, width=10):
+    """Times each (name, factory) of `impls` not in `skipped` (name -> why) by graph replay,
+    calls rotated over the input `sets`, `reps` rounds in alternating order (drift between
+    rounds falls on every candidate alike), then prints a row each: the rounds' times, the
+    best, its % of the copy bandwidth, the best over `peer`'s, and notes[name]."""
+    notes = notes or {}
+    calls_n = harness.calls_per_graph(len(sets), nbytes)
+    times = {}
+    for rep in range(reps):
+        for name, factory in impls if rep % 2 == 0 else impls[::-1]:
+            if name not in skipped:
+                calls = [factory(sets[i % len(sets)]) for i in range(calls_n)]
+                times.setdefault(name, []).append(harness.graph_time_us(calls))
+    best_peer = min(times[peer]) if peer in times else None
+    for name, _ in impls:
+        if name in skipped:
+            print(f"  {name:{width}s} {skipped[name]}")
+            continue
+        best = min(times[name])
+        versus = f"  {best / best_peer:.3f} of {peer}" if best_peer else ""
+        print(f"  {name:{width}s} {' '.join(f'{t:8.2f}' for t in times[name])}  best {best:8.2f} us "
+              f"{nbytes / best / 1e3 / bandwidth * 100:5.1f}%{versus}{notes.get(name, '')}")
