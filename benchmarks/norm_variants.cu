@@ -24,11 +24,7 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int block) {
               bound_threads(CACHED, false, false), " threads do not cover ", nvec, " vectors");
   TORCH_CHECK(cfg.block <= bound_threads(CACHED, false, false), "norm_variants: blocks of at most ",
               bound_threads(CACHED, false, false), " threads at ", CACHED, " vectors a thread");
-  const int rows_per_block = cfg.block / cfg.threads_per_row;
-  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
-  norm_kernel<T, T, T, V, CACHED, NormKind::kRms, false, false>
-      <<<blocks, cfg.block, 0, stream>>>(make_params<T, T, T>(a), __builtin_ctz(cfg.threads_per_row));
-  check_launch();
+  launch_norm_rows(norm_kernel<T, T, T, V, CACHED, NormKind::kRms, false, false>, a, cfg, stream);
 }
 
 // rms_norm_out (norm.h) checks and lays out the arguments as the package's op does, then

@@ -589,6 +589,16 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
   run(rms_norm_row_kernel<T, W, O, VEC, false>);
 }
 
+// An instantiation of norm_kernel over the rows, as `cfg` lays them out in blocks.
+template <typename T, typename W, typename O>
+void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& a, const RowLaunch& cfg,
+                      cudaStream_t stream) {
+  const int rows_per_block = cfg.block / cfg.threads_per_row;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  kernel<<<blocks, cfg.block, 0, stream>>>(make_params<T, W, O>(a), __builtin_ctz(cfg.threads_per_row));
+  check_launch();
+}
+
 template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE>
 void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
@@ -628,14 +638,8 @@ void launch(const NormArgs& a, cudaStream_t stream) {
       return launch_rms_norm_rows<T, W, O, V>(a, cached, cfg.block, stream);
     }
   }
-  const int rows_per_block = cfg.block / cfg.threads_per_row;
-  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
-  const NormParams<T, W, O> p = make_params<T, W, O>(a);
-  auto run = [&](auto kernel) {
-    kernel<<<blocks, cfg.block, 0, stream>>>(p, __builtin_ctz(cfg.threads_per_row));
-    check_launch();
-  };
+  const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
   if constexpr (RESIDUAL) {
     if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
   } else {

@@ -99,7 +99,8 @@ def test_in_place(kernel, device, dtype, shape):
     assert_close(x, expected, dtype)
 
 
-@pytest.mark.parametrize("d, weighted", [(256, False), (2048, True)], ids=["d256_no_weight", "d2048_weight"])
+@pytest.mark.parametrize("d, weighted", [(256, False), (2048, True), (2048, False)],
+                         ids=["d256_no_weight", "d2048_weight", "d2048_no_weight"])
 @pytest.mark.parametrize("out_strided", [False, True])
 def test_strided_out(kernel, device, out_strided, d, weighted):
     x = make((5, d), torch.bfloat16, device)
