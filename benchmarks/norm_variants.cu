@@ -18,12 +18,13 @@ template <typename T, int CACHED>
 void launch_variant(const NormArgs& a, cudaStream_t stream, int block) {
   constexpr int V = kVec16<T>;
   TORCH_CHECK((vectorizable<T, T, T, V>(a)), "norm_variants: 16-byte aligned rows only");
+  constexpr int kMaxThreads = bound_threads(CACHED, false, false);  // the kernel's __launch_bounds__
   const int64_t nvec = a.cols / V;
-  const RowLaunch cfg = row_launch(nvec, CACHED, bound_threads(CACHED, false, false), block);
+  const RowLaunch cfg = row_launch(nvec, CACHED, kMaxThreads, block);
   TORCH_CHECK(cfg.threads_per_row * CACHED >= nvec, "norm_variants: ", CACHED, " vectors a thread on at most ",
-              bound_threads(CACHED, false, false), " threads do not cover ", nvec, " vectors");
-  TORCH_CHECK(cfg.block <= bound_threads(CACHED, false, false), "norm_variants: blocks of at most ",
-              bound_threads(CACHED, false, false), " threads at ", CACHED, " vectors a thread");
+              kMaxThreads, " threads do not cover ", nvec, " vectors");
+  TORCH_CHECK(cfg.block <= kMaxThreads, "norm_variants: blocks of at most ", kMaxThreads, " threads at ", CACHED,
+              " vectors a thread");
   launch_norm_rows(norm_kernel<T, T, T, V, CACHED, NormKind::kRms, false, false>, a, cfg, stream);
 }
 
