@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-import references as ref  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -236,6 +235,7 @@ class CaseBuilder:
 
     def __init__(self, ltx, libs: Libraries, device: str, shapes: Shapes):
         self.ltx, self.libs, self.device, self.shapes = ltx, libs, device, shapes
+        self.ref = ltx.reference  # the host libraries' code: the eager and compiled peers
         self.cases: List[Case] = []
 
     def randn(self, *shape, dtype=BF16, scale=1.0) -> torch.Tensor:
@@ -271,7 +271,7 @@ class CaseBuilder:
                 def inputs(rows=rows, d=d, dtype=dtype):
                     return self.randn(rows, d, dtype=dtype), 1 + self.randn(d, dtype=dtype, scale=0.1)
                 impls = self.peers(
-                    ref.llama_rms_norm,
+                    self.ref.llama_rms_norm,
                     **{"F.rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6),
                        "liger": liger and (lambda x, w: liger.apply(x, w, 1e-6)),
                        "quack": quack and (lambda x, w: quack(x, w, eps=1e-6)),
@@ -282,7 +282,7 @@ class CaseBuilder:
                 def inputs(rows=rows, d=d, dtype=dtype):
                     return (self.randn(rows, d, dtype=dtype),)
                 impls = self.peers(
-                    ref.diffusers_rms_norm,
+                    self.ref.diffusers_rms_norm,
                     **{"F.rms_norm": lambda x: F.rms_norm(x, x.shape[-1:], None, 1e-6),
                        "liger": liger and (lambda x: liger.apply(x, None, 1e-6)),
                        "quack": quack and (lambda x: quack(x, None, eps=1e-6)),
@@ -299,9 +299,9 @@ class CaseBuilder:
                     return self.randn(b, s, d), self.randn(*mod, scale=0.1), self.randn(*mod, scale=0.1)
                 others = {"ltx": lambda x, sc, sh, norm=norm: ltx.adaln(x, sc, sh, 1e-6, norm=norm)}
                 if norm == "rms":
-                    others["F.rms_norm"] = ref.adaln_with_torch_rms_norm
+                    others["F.rms_norm"] = self.ref.adaln_with_torch_rms_norm
                     others["liger"] = liger and (lambda x, sc, sh: liger.apply(x, None, sc, sh, 1e-6))
-                impls = self.peers(ref.adaln(norm), **others)
+                impls = self.peers(self.ref.adaln(norm), **others)
                 self.add("adaln", (b, s, d, per_token), f"adaln_{norm}",
                          f"[{b},{s},{d}] scale/shift {'per-token' if per_token else f'[{b},1,{d}]'}", inputs, impls,
                          grad_argnums=(0, 1, 2), backward_reads=(0, 1))
@@ -309,7 +309,7 @@ class CaseBuilder:
                 def inputs(b=b, s=s, d=d):
                     return (self.randn(b, s, d), self.randn(b, s, d),
                             *(self.randn(b, 1, d, scale=0.1) for _ in range(3)))
-                impls = self.peers(ref.gated_residual_adaln(norm),
+                impls = self.peers(self.ref.gated_residual_adaln(norm),
                                    ltx=lambda r, x, g, sc, sh, norm=norm: ltx.gated_residual_adaln(
                                        r, x, g, sc, sh, 1e-6, norm=norm))
                 # The backward re-reads x and the saved sum (the residual's size).
@@ -329,7 +329,7 @@ class CaseBuilder:
                 half = cos.shape[-1] // 2
                 return tuple(quack_rotary(x.transpose(1, 2), cos[0, :, :half], sin[0, :, :half]).transpose(1, 2)
                              for x in (q, k))
-            impls = self.peers(ref.transformers_rope,
+            impls = self.peers(self.ref.transformers_rope,
                                liger=liger and (lambda q, k, c, sn: liger.apply(q, k, c, sn)),
                                quack=quack_rotary and b == 1 and quack_rope,
                                ltx=lambda q, k, c, sn: ltx.rope_rotate_half(q, k, c, sn))
@@ -341,7 +341,7 @@ class CaseBuilder:
                 angle = torch.rand(b, s, c // 2, device=self.device).repeat_interleave(2, -1)
                 return self.randn(b, s, c), self.randn(b, s, c), angle.cos(), angle.sin()
             self.add("rope_ltx", (b, s, c), "rope_interleaved", f"LTX q/k [{b},{s},{c}], fp32 tables", inputs,
-                     self.peers(ref.ltx_rope, ltx=lambda q, k, co, si: ltx.rope_interleaved(q, k, co, si)),
+                     self.peers(self.ref.ltx_rope, ltx=lambda q, k, co, si: ltx.rope_interleaved(q, k, co, si)),
                      grad_argnums=(0, 1), backward_reads=(2, 3))
 
             def inputs_norm(b=b, s=s, c=c, rope_inputs=inputs):
@@ -349,7 +349,7 @@ class CaseBuilder:
                 weights = (1 + self.randn(c, scale=0.1) for _ in range(2))
                 return (q, k, *weights, cos, sin)
             self.add("qk_norm_rope", (b, s, c), "qk_norm_rope", f"LTX q/k [{b},{s},{c}]", inputs_norm,
-                     self.peers(ref.ltx_qk_norm_rope,
+                     self.peers(self.ref.ltx_qk_norm_rope,
                                 ltx=lambda q, k, wq, wk, co, si: ltx.qk_norm_rope(q, k, wq, wk, co, si, 1e-5)))
 
     def activations(self):
@@ -358,19 +358,19 @@ class CaseBuilder:
             def inputs(rows=rows, h=h):
                 return (self.randn(rows, 2 * h),)
             self.add("geglu", (rows, h), "geglu", f"[{rows}, 2x{h}]", inputs,
-                     self.peers(ref.diffusers_geglu, ltx=lambda x: ltx.geglu(x, "none")),
+                     self.peers(self.ref.diffusers_geglu, ltx=lambda x: ltx.geglu(x, "none")),
                      grad_argnums=(0,), backward_reads=(0,))
         for shape in self.shapes.gelu_tanh:
             def inputs(shape=shape):
                 return (self.randn(*shape),)
             self.add("gelu_tanh", shape, "gelu_tanh", "[" + ",".join(map(str, shape)) + "]", inputs,
-                     self.peers(ref.gelu_tanh, ltx=lambda x: ltx.gelu(x, "tanh")),
+                     self.peers(self.ref.gelu_tanh, ltx=lambda x: ltx.gelu(x, "tanh")),
                      grad_argnums=(0,), backward_reads=(0,))
         for rows, d in self.shapes.gelu_mul:
             def inputs(rows=rows, d=d):
                 return self.randn(rows, d), self.randn(rows, d)
             self.add("gelu_mul", (rows, d), "gelu_mul", f"[{rows}, {d}] (Gemma MLP)", inputs,
-                     self.peers(ref.gemma_gelu_mul, liger=liger and (lambda g, u: liger.apply(g, u)),
+                     self.peers(self.ref.gemma_gelu_mul, liger=liger and (lambda g, u: liger.apply(g, u)),
                                 ltx=lambda g, u: ltx.gelu_mul(g, u, "tanh")))
 
 

@@ -22,7 +22,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 import harness  # noqa: E402
-import references  # noqa: E402
 from variants_build import load, time_and_print  # noqa: E402
 
 SOURCE = REPO / "benchmarks" / "norm_variants.cu"
@@ -35,9 +34,9 @@ SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float3
                    (32768, 4096, torch.bfloat16, True), (4096, 4096, torch.bfloat16, True)]}
 
 
-def reference(weighted):
+def reference(ltx, weighted):
     """The eager code bench_ops times: diffusers' weightless norm, or Llama's weighted one."""
-    return references.llama_rms_norm if weighted else references.diffusers_rms_norm
+    return ltx.reference.llama_rms_norm if weighted else ltx.reference.diffusers_rms_norm
 
 
 def main():
@@ -48,6 +47,9 @@ def main():
     args = parser.parse_args()
     load(SOURCE)
     run = torch.ops.norm_variants.run
+    from kernels import get_local_kernel
+
+    ltx = get_local_kernel(REPO)  # for its reference module
     bandwidth = harness.copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
 
@@ -64,7 +66,7 @@ def main():
         return factory
 
     def compiled(weighted):
-        fn = torch.compile(reference(weighted), dynamic=False)
+        fn = torch.compile(reference(ltx, weighted), dynamic=False)
         return lambda inputs: (lambda: fn(*[t for t in inputs if t is not None]))
 
     shapes = SHAPES["fp32"] + SHAPES["bf16"] if args.shapes == "all" else SHAPES[args.shapes]
@@ -77,7 +79,7 @@ def main():
         nbytes = 2 * first[0].numel() * first[0].element_size() + (d * first[0].element_size() if weighted else 0)
         copies = harness.copies_for_cold_l2(nbytes // 2)
         sets = [first] + [inputs() for _ in range(copies - 1)]
-        expected = reference(weighted)(*[t.double() for t in first if t is not None])
+        expected = reference(ltx, weighted)(*[t.double() for t in first if t is not None])
         impls = [("compile", compiled(weighted))]
         impls += [(spec, variant(*(int(v) for v in spec.split("/")))) for spec in args.variants.split(",")]
         print(f"\n{rows}x{d} {str(dtype)[6:]}{'' if weighted else ' no weight'}, {nbytes / 1e6:.1f} MB")

@@ -19,6 +19,7 @@ def gelu64(x, approximate):
     return F.gelu(x.double(), approximate=approximate)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -27,6 +28,7 @@ def test_gelu(kernel, device, shape, dtype, approximate):
     assert_close(kernel.gelu(x, approximate), gelu64(x, approximate), dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -35,6 +37,7 @@ def test_gelu_mul(kernel, device, shape, dtype, approximate):
     assert_close(kernel.gelu_mul(gate, up, approximate), gelu64(gate, approximate) * up.double(), dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 16), (33, 2000), (8, 10240), (3, 7, 2002), (4096, 128)], ids=str)

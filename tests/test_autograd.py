@@ -45,6 +45,7 @@ def _assert_grad_close(got, expected, dtype, what):
 RMS_SHAPES = [(3, 5, 64), (3000, 64), (4, 4100), (2, 12288), (160, 40000), (40, 65536)]
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_grads(kernel, device, shape, dtype):
@@ -71,6 +72,7 @@ def test_rms_norm_grads_without_weight_and_with_offset(kernel, device, dtype):
     _assert_grads_match(y, lambda x, w: rms_norm_ref(x, w, 1e-5, weight_offset=1.0), [x, w], dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_add_rms_norm_grads(kernel, device, dtype):
     x, r, w = _leaves(device, dtype, (2, 7, 128), (2, 7, 128), (128,))
@@ -86,6 +88,7 @@ MOD_SHAPES = {"per-batch": (2, 1, 64), "per-batch-2d": (2, 64), "shared": (64,),
               "per-token-shared-by-batch": (1, 300, 64)}
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("mod", list(MOD_SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -142,6 +145,7 @@ def _gated_residual_adaln_ref(norm):
     return reference
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
@@ -364,6 +368,7 @@ def test_gated_residual_grad_of_input_ignores_its_value(kernel, device):
     torch.testing.assert_close(grad_x, dy * gate, rtol=0, atol=0)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial-rotary"])
 @pytest.mark.parametrize("seq", [6, 300], ids=["few-tokens", "many-tokens"])
@@ -382,6 +387,7 @@ def test_rope_rotate_half_grads(kernel, device, dtype, partial, seq, q_heads, k_
     _assert_grads_match(kernel.rope_rotate_half(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_interleaved_grads(kernel, device, dtype):
     q, k = _leaves(device, dtype, (2, 12, 64), (2, 12, 64))
@@ -398,6 +404,7 @@ def test_rope_refuses_table_grads(kernel, device):
         q2.sum().backward()
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_qk_norm_rope_grads(kernel, device, dtype):
     q, k, wq, wk = _leaves(device, dtype, (2, 10, 128), (2, 10, 128), (128,), (128,))
@@ -410,6 +417,7 @@ def test_qk_norm_rope_grads(kernel, device, dtype):
     _assert_grads_match(kernel.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-5), reference, [q, k, wq, wk], dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_activation_grads(kernel, device, approximate, dtype):

@@ -78,6 +78,7 @@ def _cases(device):
     }
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("case", list(_cases("cpu")))
 def test_opcheck(kernel, device, case):
     args = _cases(device)[case]
@@ -85,6 +86,7 @@ def test_opcheck(kernel, device, case):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.kernels_ci
 def test_every_op_is_opchecked(kernel):
     prefix = kernel.ops.name + "::"
     registered = {n[len(prefix):] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)}
@@ -115,6 +117,7 @@ def _model_inputs(device):
             torch.randn(2, 5, 64, **f), torch.randn(2, 5, 64, **f), torch.randn(64, **f), torch.randn(64, **f))
 
 
+@pytest.mark.kernels_ci
 def test_compile_fullgraph_matches_eager_without_recompiles(kernel, device):
     import torch._dynamo
 
@@ -127,6 +130,7 @@ def test_compile_fullgraph_matches_eager_without_recompiles(kernel, device):
             torch.testing.assert_close(compiled(*inputs), block(*inputs), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.kernels_ci
 def test_compile_fullgraph_backward_matches_eager(kernel, device):
     """Training through torch.compile: AOT autograd traces the registered backward
     formulas (fake impls of the backward ops included) in one graph."""

@@ -70,6 +70,7 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("case", sorted(_cases(None)))
 def test_op_replays_on_new_values(kernel, device, case):
     if device != "cuda":
@@ -94,6 +95,7 @@ def test_op_replays_on_new_values(kernel, device, case):
             assert torch.equal(got, want), case
 
 
+@pytest.mark.kernels_ci
 def test_training_step_replays(kernel, device):
     """Forward and autograd backward captured together (whole-step capture)."""
     if device != "cuda":

@@ -27,6 +27,7 @@ def shape_id(s):
     return "x".join(map(str, s))
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_zero_centred_weight(kernel, device, shape, dtype):
@@ -36,6 +37,7 @@ def test_zero_centred_weight(kernel, device, shape, dtype):
     assert_close(y, rms_norm_ref(x, w, 1e-6, weight_offset=1.0), dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_cast_before_weight(kernel, device, shape, dtype):
@@ -83,6 +85,7 @@ def test_fp32_out_needs_fp32_weight(kernel, device):
         kernel.rms_norm(x, make((64,), torch.bfloat16, device), out_dtype=torch.float32)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "no_weight"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
@@ -129,6 +132,7 @@ def test_fused_add_rms_norm_in_place(kernel, device, dtype):
          "many_narrow_rows", "ragged_per_batch", "ragged_per_token", "many_rows_d1024", "ragged_wide",
          "ragged_wide_fp32"],
 )
+@pytest.mark.kernels_ci
 def test_adaln(kernel, device, x_shape, mod_shape, dtype, norm):
     x = make(x_shape, dtype, device, scale=2.0) + 0.5  # an offset mean: LayerNorm must centre
     scale = make(mod_shape, dtype, device, scale=0.3)
@@ -170,6 +174,7 @@ def test_gated_residual(kernel, device, s, d, gate, dtype):
 # (8500, 64): 17000 rows, over 128 per SM on an H200 or A100: one vector a thread for both
 # norms at a large batch (LayerNorm kept four there until the one-vector rows without a
 # weight ran a full SM: norm.cu, kOneVecUnweightedMinBlocks).
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("s, d", [(7, 256), (7, 2048), (7, 1001), (7, 40000), (701, 2048), (150, 1000), (8500, 64)])
 def test_gated_residual_adaln(kernel, device, s, d, dtype, norm):
     b = 2

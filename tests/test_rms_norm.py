@@ -28,6 +28,7 @@ def make(shape, dtype, device, scale=1.0):
     return (torch.randn(shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "no_weight"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -46,6 +47,7 @@ def test_leading_dims(kernel, device, shape, dtype):
     assert_close(y, rms_norm_ref(x, w, 1e-5), dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [1, 3, 111, 769, 5125, 32771])
 def test_odd_last_dim(kernel, device, d, dtype):
@@ -54,6 +56,7 @@ def test_odd_last_dim(kernel, device, d, dtype):
     assert_close(kernel.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_misaligned_pointers(kernel, device, dtype):
     """Views at an odd element offset are not 16-byte aligned: the scalar path runs."""
@@ -65,6 +68,7 @@ def test_misaligned_pointers(kernel, device, dtype):
 
 
 # D = 512 in 16 bits shares 128-thread blocks between rows on CUDA; 2048 takes a block a row.
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("d", [512, 2048])
 @pytest.mark.parametrize("pad", [8, 1], ids=["aligned_stride", "odd_stride"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -79,6 +83,7 @@ def test_strided_rows(kernel, device, dtype, pad, d):
     assert_close(y, rms_norm_ref(x, w, 1e-6), dtype)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_out_variant_writes_every_element(kernel, device, dtype):
     x, w = make((37, 2048), dtype, device), make((2048,), dtype, device)
@@ -90,6 +95,7 @@ def test_out_variant_writes_every_element(kernel, device, dtype):
 
 # On CUDA, 300 x 32768 and 33 x 65536 take the eight-vector rows in 16 bits (and 300 x
 # 32768 in fp32), which read the row before their barrier and write it after.
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("shape", [(64, 4096), (300, 32768), (33, 65536)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_in_place(kernel, device, dtype, shape):
@@ -171,6 +177,7 @@ def _bad_inputs(device):
     }
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("case", list(_bad_inputs("cpu")))
 def test_bad_input_raises_a_clear_error(kernel, device, case):
     make_args, message = _bad_inputs(device)[case]

@@ -51,6 +51,7 @@ def interleaved_ref(x, cos, sin):
     (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96), (1, 8, 4, 640, 128, 128), (1, 48, 8, 600, 128, 128),
 ], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_partial", "many_whole_groups",
         "many_heads_two_passes"])
+@pytest.mark.kernels_ci
 def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d, rotary, dtype):
     # Transposed views, as attention modules make them: [B, S, H, D] memory, [B, H, S, D] view.
     q = make((batch, seq, hq, d), dtype, device).transpose(1, 2)
@@ -98,6 +99,7 @@ def test_rotate_half_shared_tables_and_in_place(kernel, device, dtype):
     assert_close(k, k_ref, dtype, roundings=2)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("table_dtype", ["fp32", "model"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 5, 64), (2, 3, 18)], ids=["ltx", "small", "odd"])
@@ -113,6 +115,7 @@ def test_interleaved_ltx_layout(kernel, device, batch, seq, c, dtype, table_dtyp
     assert_close(k_out, interleaved_ref(k, cos, sin), dtype, roundings=2)
 
 
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("sequence_dim", [1, 2])
 def test_interleaved_flux_layout(kernel, device, sequence_dim, dtype):
@@ -180,6 +183,7 @@ def test_bad_input_raises_a_clear_error(kernel, device, case):
 # with a part-full block.
 @pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 77, 2048), (1, 3, 64), (3, 5, 1000)],
                          ids=["ltx", "ltx_odd_tokens", "small", "c1000"])
+@pytest.mark.kernels_ci
 def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dtype, table_layout):
     """norm_q / norm_k (torch.nn.RMSNorm over C, eps 1e-5, output rounded), then the
     interleaved RoPE with fp32 [B, S, C] tables: one per batch entry, or one expanded over

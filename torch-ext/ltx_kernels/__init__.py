@@ -1,6 +1,6 @@
 """ltx-kernels: fast kernels for the memory-bound layers of diffusion transformers and LLMs."""
 
-from . import layers
+from . import layers, reference
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
@@ -17,6 +17,7 @@ __all__ = [
     "layers",
     "ops",
     "qk_norm_rope",
+    "reference",
     "rms_norm",
     "rope_interleaved",
     "rope_rotate_half",

@@ -1,7 +1,10 @@
-"""Workloads for `kernels benchmark` (kernels 0.17.2), one Benchmark class per op family.
+"""Workloads for `kernels benchmark`, one Benchmark class per op family. Self-contained
+as uploaded: it needs only torch, kernels and the kernel it is given (whose `reference`
+module holds the host libraries' code it verifies against).
 
-    kernels benchmark ./                              # repo root, on a GPU; loads build/
-    python benchmarks/benchmark_ops.py --self-check   # each workload once on the CPU, verified
+    kernels benchmark ./                          # repo root, on a GPU; loads build/
+    kernels benchmark ltx-kernels/ltx-kernels --version 1
+    python benchmarks/benchmark.py --self-check [KERNEL_DIR]   # each workload once on the CPU
 
 The CLI loads this file, makes one instance per ``benchmark_<w>`` method, sets
 ``self.kernel`` (the loaded ltx_kernels) and ``self.device``, runs ``setup_<w>``, calls
@@ -14,8 +17,8 @@ roundings (Llama RMSNorm, LTX RoPE and prologue, GEGLU, GELU); that code on fp32
 rounded once, where the op rounds once and the library more often (AdaLN, the gated
 residual, transformers' RoPE), which keeps every difference within one fp16 step. The
 in-place RoPE workloads verify against copies taken in setup: the CLI calls the workload
-exactly once before verifying. Shapes are issue 4's model shapes
-on a GPU and small ones on the CPU (the self-check).
+exactly once before verifying. Shapes are the model shapes of benchmarks/bench_ops.py on
+a GPU and small ones on the CPU (the self-check).
 """
 
 import sys
@@ -23,9 +26,6 @@ from pathlib import Path
 
 import torch
 from kernels.benchmark import Benchmark
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import references as ref  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FP16 = torch.float16
@@ -37,6 +37,11 @@ def sized(device: str, gpu_shape: tuple, cpu_shape: tuple) -> tuple:
 
 def randn(*shape, device: str, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, device=device, dtype=FP16) * scale
+
+
+def ref(bench: Benchmark):
+    """The host libraries' code, from the kernel under test (its `reference` module)."""
+    return bench.kernel.reference
 
 
 def rounded_once(fn, *tensors):
@@ -59,7 +64,7 @@ class RMSNormBenchmark(Benchmark):
         self.kernel.rms_norm(self.x, self.weight, 1e-6, cast_before_weight=True, out=self.out)
 
     def verify_llama(self):
-        return ref.llama_rms_norm(self.x, self.weight)
+        return ref(self).llama_rms_norm(self.x, self.weight)
 
     def setup_ltx_no_weight(self):
         """LTX-Video's norm1/norm2: diffusers RMSNorm without weight."""
@@ -71,7 +76,7 @@ class RMSNormBenchmark(Benchmark):
         self.kernel.rms_norm(self.x, None, 1e-6, out=self.out)
 
     def verify_ltx_no_weight(self):
-        return ref.diffusers_rms_norm(self.x)
+        return ref(self).diffusers_rms_norm(self.x)
 
 
 class AdaLNBenchmark(Benchmark):
@@ -92,7 +97,7 @@ class AdaLNBenchmark(Benchmark):
         self.kernel.adaln(self.x, self.scale, self.shift, 1e-6, norm="rms", out=self.out)
 
     def verify_rms(self):
-        return rounded_once(ref.adaln("rms"), self.x, self.scale, self.shift)
+        return rounded_once(ref(self).adaln("rms"), self.x, self.scale, self.shift)
 
     def setup_layer(self):
         self.make_inputs()
@@ -101,7 +106,7 @@ class AdaLNBenchmark(Benchmark):
         self.kernel.adaln(self.x, self.scale, self.shift, 1e-6, norm="layer", out=self.out)
 
     def verify_layer(self):
-        return rounded_once(ref.adaln("layer"), self.x, self.scale, self.shift)
+        return rounded_once(ref(self).adaln("layer"), self.x, self.scale, self.shift)
 
     def setup_gated_residual_rms(self):
         """``h = residual + attn * gate`` and the next norm's modulate, one pass; self.out
@@ -115,8 +120,8 @@ class AdaLNBenchmark(Benchmark):
                                          residual_out=self.out[0], out=self.out[1])
 
     def verify_gated_residual_rms(self):
-        return torch.stack(rounded_once(ref.gated_residual_adaln("rms"), self.residual, self.x, self.gate, self.scale,
-                                        self.shift))
+        return torch.stack(rounded_once(ref(self).gated_residual_adaln("rms"), self.residual, self.x, self.gate,
+                                        self.scale, self.shift))
 
 
 class RoPEBenchmark(Benchmark):
@@ -141,7 +146,7 @@ class RoPEBenchmark(Benchmark):
         self.kernel.rope_rotate_half(q, k, self.cos, self.sin, inplace=True)
 
     def verify_rotate_half(self):
-        q, k = rounded_once(ref.transformers_rope, *self.split_heads(self.original), self.cos, self.sin)
+        q, k = rounded_once(ref(self).transformers_rope, *self.split_heads(self.original), self.cos, self.sin)
         expected = torch.empty_like(self.original)
         for view, value in zip(self.split_heads(expected), (q, k)):
             view.copy_(value)
@@ -162,7 +167,7 @@ class RoPEBenchmark(Benchmark):
         self.kernel.rope_interleaved(self.out[0], self.out[1], self.cos, self.sin, inplace=True)
 
     def verify_ltx_interleaved(self):
-        return torch.stack(ref.ltx_rope(self.original[0], self.original[1], self.cos, self.sin))
+        return torch.stack(ref(self).ltx_rope(self.original[0], self.original[1], self.cos, self.sin))
 
     def setup_ltx_qk_norm_rope(self):
         """LTX-Video's attention prologue (qk RMSNorm across heads, then RoPE) into self.out."""
@@ -176,7 +181,7 @@ class RoPEBenchmark(Benchmark):
                                  out=(self.out[0], self.out[1]))
 
     def verify_ltx_qk_norm_rope(self):
-        return torch.stack(ref.ltx_qk_norm_rope(self.q, self.k, self.q_weight, self.k_weight, self.cos, self.sin))
+        return torch.stack(ref(self).ltx_qk_norm_rope(self.q, self.k, self.q_weight, self.k_weight, self.cos, self.sin))
 
 
 class ActivationBenchmark(Benchmark):
@@ -192,7 +197,7 @@ class ActivationBenchmark(Benchmark):
         self.kernel.geglu(self.x, "none", out=self.out)
 
     def verify_geglu(self):
-        return ref.diffusers_geglu(self.x)
+        return ref(self).diffusers_geglu(self.x)
 
     def setup_gelu_tanh(self):
         """LTX-Video's feed-forward activation on [2, 2688, 8192]."""
@@ -203,24 +208,25 @@ class ActivationBenchmark(Benchmark):
         self.kernel.gelu(self.x, "tanh", out=self.out)
 
     def verify_gelu_tanh(self):
-        return ref.gelu_tanh(self.x)
+        return ref(self).gelu_tanh(self.x)
 
 
-def self_check() -> int:
-    """Runs this file through the CLI's own discovery and runner (kernels 0.17.2), on the
-    CPU whatever the machine has, one timed iteration each. Returns the failure count."""
+def self_check(kernel_dir: Path) -> int:
+    """Runs this file through the CLI's own discovery and runner (kernels 0.19), on the
+    CPU whatever the machine has, one timed iteration each, on the build in ``kernel_dir``
+    (a checkout with build/). Returns the failure count."""
     from unittest import mock
 
-    from kernels.backends import CPU
-    from kernels.cli import benchmark as cli
+    from kernels._internals.backends import CPU
+    from kernels._internals.cli import benchmark as cli
 
     failures = passes = 0
     # The runner picks the device from torch's build (CUDA here even without a GPU).
     with mock.patch.object(cli, "_backend", CPU):
-        for cls in cli.discover_benchmark_classes(Path(__file__).resolve(), REPO):
+        for cls in cli.discover_benchmark_classes(Path(__file__).resolve(), kernel_dir):
             try:
-                results, _ = cli.run_benchmark_class(cls, iterations=1, warmup=1, repo_id=str(REPO), is_local=True,
-                                                     revision="local")
+                results, _ = cli.run_benchmark_class(cls, iterations=1, warmup=1, repo_id=str(kernel_dir),
+                                                     is_local=True, revision="local")
             except Exception as e:  # the runner stops a class at its first failed verification
                 failures += 1
                 print(f"FAILED {cls.__name__}: {type(e).__name__}: {e}")
@@ -235,6 +241,6 @@ def self_check() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--self-check"]:
+    if sys.argv[1:2] != ["--self-check"] or len(sys.argv) > 3:
         sys.exit(__doc__)
-    sys.exit(1 if self_check() else 0)
+    sys.exit(1 if self_check(Path(sys.argv[2]).resolve() if len(sys.argv) == 3 else REPO) else 0)

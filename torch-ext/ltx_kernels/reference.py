@@ -1,6 +1,6 @@
 """The PyTorch code each op replaces, written as the host libraries write it (the cast
-order included), shared by bench_ops.py (the eager and torch.compile peers, and the
-fp64 reference) and benchmark_ops.py (verification)."""
+order included): what the benchmarks verify against and time as the eager and
+torch.compile peers. The tests keep their own fp64 references (tests/reference.py)."""
 
 import torch
 import torch.nn.functional as F
