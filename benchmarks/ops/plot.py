@@ -2,7 +2,7 @@
 dots per implementation, one row per shape (ops shaded in bands), so a run of 50+ shapes
 stays readable and a gap to the roofline shows at a glance.
 
-    python benchmarks/plot.py part1.json part2.json -o all.png   # one plot of split runs
+    python -m benchmarks.ops.plot part1.json part2.json -o all.png   # one plot of split runs
 """
 
 import argparse

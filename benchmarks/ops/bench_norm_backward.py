@@ -3,7 +3,7 @@ by CUDA-graph replay with inputs rotated past L2 (harness.py), and % of the copy
 bandwidth measured in the same run. bench_ops.py --backward times forward+backward
 through autograd; this isolates the backward op to tune it.
 
-    python benchmarks/bench_norm_backward.py [--json out.json]
+    python -m benchmarks.ops.bench_norm_backward [--json out.json]
 
 Bytes counted: x and dy read, dx written (and the extra grad read when given; per-token
 AdaLN also reads its [B,S,D] scale and writes its two per-row column-grad tensors). The
@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+from benchmarks import harness
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BF16 = torch.bfloat16
 
 

@@ -3,21 +3,21 @@ PyTorch eager code the host library runs ("eager", also the reference), torch.co
 that code (dynamic=False), F.rms_norm where it applies, Liger-Kernel and quack where they
 have the op (each skipped, with the reason, when it is not importable or fails).
 
-    python benchmarks/bench_ops.py                  # everything: table, JSON, PNG, Markdown
-    python benchmarks/bench_ops.py --quick          # a representative subset (< 2 min, H200)
-    python benchmarks/bench_ops.py --ops rms_norm,geglu --json r.json --plot r.png
-    python benchmarks/bench_ops.py --backward       # adds forward+backward rows (large shapes)
-    python benchmarks/bench_ops.py --smoke          # tiny shapes on the CPU: proves it runs
+    python -m benchmarks.ops.bench_ops              # everything: table, JSON, PNG, Markdown
+    python -m benchmarks.ops.bench_ops --quick      # a representative subset (< 2 min, H200)
+    python -m benchmarks.ops.bench_ops --ops rms_norm,geglu --json r.json --plot r.png
+    python -m benchmarks.ops.bench_ops --backward   # adds forward+backward rows (large shapes)
+    python -m benchmarks.ops.bench_ops --smoke      # tiny shapes on the CPU: proves it runs
 
 Columns: kernel time (CUDA-graph replay, cold L2, median), eager call time (Python calls
 back to back over the same rotated inputs, median), the bytes an op must move, GB/s and %
 of the copy bandwidth measured in the same run (from kernel time), the time of a copy of
 the same bytes (same protocol) as a share of the row's kernel time, ltx's time over the
-fastest peer's (kernel and eager; <= 1.03 meets issue 4's target), and the max abs error
+fastest peer's (kernel and eager), and the max abs error
 against an fp64 evaluation of the eager code. An implementation whose error is over 16x
 every other's is skipped as wrong, not timed; if it is ltx, the run exits non-zero once
 its report is written. With no output flag (and not --smoke) the JSON, PNG and Markdown go
-to benchmarks/results/<date>-<gpu>-<mode>.*.
+to benchmarks/results/bench_ops[_backward].* (the latest run of each kind is kept there).
 """
 
 import argparse
@@ -26,7 +26,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -36,10 +35,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+from benchmarks import harness
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 PEER_LIBRARIES = {"liger": "liger_kernel.ops", "quack": "quack", "quack.rotary": "quack.rotary"}
@@ -66,7 +64,7 @@ class Shapes:
     backward: frozenset = frozenset()
 
 
-ISSUE_4 = Shapes(
+MODEL_SHAPES = Shapes(
     rms_norm=[(1024, 2048), (128, 4096), (4096, 4096), (8192, 4096), (32768, 4096), (32768, 8192),
               (648720, 128), (8192, 1536), (8192, 65536)],
     rms_norm_no_weight=[(5376, 2048)],
@@ -76,7 +74,7 @@ ISSUE_4 = Shapes(
     rope_ltx=[(2, 2688, 2048), (2, 21504, 2048)],
     geglu=[(8192, 5120), (5376, 8192), (8192, 16384)],
     gelu_tanh=[(2, 2688, 8192)],
-    gelu_mul=[(8192, 12288)],  # Gemma MLP (not in issue 4; a Liger peer exists)
+    gelu_mul=[(8192, 12288)],  # Gemma MLP
     quick=frozenset({
         ("rms_norm", (128, 4096)), ("rms_norm", (8192, 4096)), ("rms_norm", (648720, 128)),
         ("adaln", (2, 2688, 2048, False)), ("gated_residual_adaln", (2, 2688, 2048)),
@@ -585,14 +583,12 @@ def select(cases: List[Case], args) -> List[Case]:
     return [c for c in cases if wanted(c)]
 
 
-def default_stem(args, device_name: str) -> Path:
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    if args.backward:
-        mode += "-backward"
+def default_stem(args) -> Path:
+    """benchmarks/results/ keeps the latest run of each kind, under a name without a date."""
+    mode = "bench_ops" + ("_quick" if args.quick else "") + ("_backward" if args.backward else "")
     if args.ops:
-        mode += "-" + args.ops.replace(",", "-")
-    gpu = re.sub(r"[^a-z0-9]+", "-", device_name.lower().removeprefix("nvidia ")).strip("-")
-    return RESULTS / f"{datetime.date.today().isoformat()}-{gpu}-{mode}"
+        mode += "_" + args.ops.replace(",", "_")
+    return RESULTS / mode
 
 
 def main():
@@ -614,7 +610,7 @@ def main():
         sys.exit("bench_ops: needs a CUDA GPU (or --smoke for the CPU)")
     device_name = torch.cuda.get_device_name() if on_cuda else "CPU (smoke)"
     if not (args.json or args.plot or args.markdown or args.smoke):
-        stem = default_stem(args, device_name)
+        stem = default_stem(args)
         args.json, args.plot, args.markdown = (stem.with_suffix(s) for s in (".json", ".png", ".md"))
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("bench_ops: matplotlib is not installed: no plot (JSON and table as usual)", flush=True)
@@ -623,7 +619,7 @@ def main():
 
     ltx = get_local_kernel(REPO)
     libs = load_libraries(on_cuda)
-    cases = select(CaseBuilder(ltx, libs, "cuda" if on_cuda else "cpu", SMOKE if args.smoke else ISSUE_4).build(),
+    cases = select(CaseBuilder(ltx, libs, "cuda" if on_cuda else "cpu", SMOKE if args.smoke else MODEL_SHAPES).build(),
                    args)
     copy_gbs = harness.copy_bandwidth_gbs() if on_cuda else harness.cpu_copy_bandwidth_gbs()
 
@@ -631,7 +627,7 @@ def main():
     versions = library_versions()
     runner.emit(f"# bench_ops on {device_name}, {datetime.date.today().isoformat()}")
     runner.emit()
-    runner.emit(f"Command: `python benchmarks/bench_ops.py {' '.join(sys.argv[1:])}`; kernel build {ltx.__name__}; "
+    runner.emit(f"Command: `python -m benchmarks.ops.bench_ops {' '.join(sys.argv[1:])}`; kernel build {ltx.__name__}; "
                 + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".")
     runner.emit(f"Copy bandwidth measured in this run: {copy_gbs:.0f} GB/s (read + write). "
                 + ("Kernel time: CUDA-graph replay, inputs and outputs rotated past L2, median. "
@@ -662,7 +658,7 @@ def write_outputs(args, report: dict, lines: List[str]):
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
     if args.plot:
-        import plot  # matplotlib only when a plot is asked for
+        from benchmarks.ops import plot  # matplotlib only when a plot is asked for
 
         plot.save_copy_bandwidth_plot(report, args.plot)
     if written:

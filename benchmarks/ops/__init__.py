@@ -1,0 +1,1 @@
+"""Op benchmarks: every op against its peers, and the norm backward alone."""
