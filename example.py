@@ -13,13 +13,15 @@ small (seconds) and run on the CPU variant.
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from diffusers import LTXVideoTransformer3DModel
 from diffusers.utils import logging as diffusers_logging
+from kernels import get_local_kernel
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ltx_kernels_integration import CHECKOUT, kernelize_diffusers, kernelize_transformers, unkernelize
+CHECKOUT = Path(__file__).resolve().parent
 
 DTYPE = torch.bfloat16
 # (frames, height, width) of the latent video, text tokens
@@ -64,7 +66,6 @@ def stock_vs_kernelized(name, model, run, kernelize, device, timing):
         counts = kernelize(model)
         actual = run()
         ours_ms = timed_ms(run, device, *timing)
-    unkernelize(model)  # the rotary hook is shared by every model of its file: leave it stock
     error = (actual.float() - expected.float()).abs().max().item()
     print(f"{name}\n  replaced: {', '.join(f'{n} x{c}' for n, c in sorted(counts.items()))}\n"
           f"  max |kernelized - stock| = {error:.2e} (outputs up to {expected.abs().max().item():.2f})\n"
@@ -77,8 +78,9 @@ def main():
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = "small" if args.small or device == "cpu" else "full"
-    # On the GPU the build of torch's backend; without one, the CPU variant.
-    source = dict(repo=CHECKOUT, backend=None if device == "cuda" else "cpu")
+    # This checkout's build, as get_kernel loads a Hub build: on the GPU the variant of
+    # torch's backend, without one the CPU variant. Its integration uses its own layers.
+    kernel = get_local_kernel(CHECKOUT, backend=None if device == "cuda" else "cpu")
     timing = (3, 10) if device == "cuda" else (2, 15)
     torch.manual_seed(0)
     diffusers_logging.set_verbosity_error()  # its note on .to(dtype) is about fp32 modules LTX has none of
@@ -96,7 +98,7 @@ def main():
     stock_vs_kernelized(
         f"LTX-Video transformer ({parameters(ltx)} parameters, {DTYPE}, "
         f"batch {batch} x {tokens} video tokens + {text_tokens} text tokens, {device})",
-        ltx, lambda: ltx(**inputs)[0], lambda m: kernelize_diffusers(m, **source), device, timing)
+        ltx, lambda: ltx(**inputs)[0], kernel.kernelize_diffusers, device, timing)
     del ltx
 
     config, prompt = QWEN3[size]
@@ -106,7 +108,7 @@ def main():
     stock_vs_kernelized(
         f"Qwen3 ({parameters(qwen)} parameters, {DTYPE}, prefill {prompt} tokens, "
         f"{device})",
-        qwen, lambda: qwen(ids, use_cache=False).logits, lambda m: kernelize_transformers(m, **source), device, timing)
+        qwen, lambda: qwen(ids, use_cache=False).logits, kernel.kernelize_transformers, device, timing)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Workloads (random weights, models built from their configs, bf16):
 - Qwen3-8B: prefill of 512 and 8192 tokens (batch 1, logits of the last token, as generate
   computes them) and one decode step on a 4096-token KV cache.
 
-Configurations: eager; eager + kernels (`ltx_kernels_integration.kernelize_*`); compile
+Configurations: eager; eager + kernels (the kernel's `kernelize_*`); compile
 (`torch.compile(model, fullgraph=True)`); compile + kernels (kernelized with
 Mode.INFERENCE | Mode.TORCH_COMPILE, then compiled; a transformers model stays stock there,
 see the README; the table marks such a cell "stock"). A configuration that fails (e.g. a
@@ -33,7 +33,6 @@ import json
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,9 +43,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
 
-from ltx_kernels_integration import Mode, kernelize_diffusers, kernelize_transformers, unkernelize  # noqa: E402
+from kernels import Mode, get_local_kernel  # noqa: E402
+
+_kernel = get_local_kernel(REPO)  # this checkout's build (torch's backend), with its integration
+kernelize_diffusers, kernelize_transformers, unkernelize = (
+    _kernel.kernelize_diffusers, _kernel.kernelize_transformers, _kernel.unkernelize)
 
 CONFIGS = ("eager", "eager+kernels", "compile", "compile+kernels")
 DTYPE = torch.bfloat16
@@ -388,7 +390,7 @@ def source_sha() -> str:
     files = [p for d in ("kernel_src", "torch-ext") for p in (REPO / d).rglob("*")
              if p.is_file() and "__pycache__" not in p.parts and p.relative_to(REPO).as_posix() not in GENERATED]
     digest = hashlib.sha256()
-    for path in sorted(files) + [REPO / "ltx_kernels_integration.py"]:
+    for path in sorted(files):
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 

@@ -32,12 +32,14 @@ from typing import Dict, List, Optional
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the integration module sits at the repo root
 sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
 
 from generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,  # noqa: E402
                             markdown_table, selected_configs, synchronize)
-from ltx_kernels_integration import kernelize_diffusers, unkernelize  # noqa: E402
+from kernels import get_local_kernel  # noqa: E402
+
+_kernel = get_local_kernel(REPO)  # this checkout's build (torch's backend), with its integration
+kernelize_diffusers, unkernelize = _kernel.kernelize_diffusers, _kernel.unkernelize
 
 DEFAULT_MODEL = "Lightricks/LTX-Video"
 PROMPT = "A red fox trots through fresh snow in a birch forest at dawn, soft light, slow camera pan."

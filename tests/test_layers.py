@@ -1,7 +1,16 @@
-"""Layers bound to a host module behave as that module (kernelize binds them this way)."""
+"""Layers bound to a host module behave as that module (kernelize binds them this way);
+the package imports with torch alone."""
 
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
 from torch import nn
+
+from conftest import REPO, TARGETS
 
 
 class LlamaStyleRMSNorm(nn.Module):
@@ -63,3 +72,44 @@ def test_layers_take_row_views_and_send_the_others_to_the_host(kernel, device):
     assert not rows(x.double()) and not rows(x.to(torch.int32))
     assert not rows(torch.tensor(1.0, device=device))
     assert not rows(torch.empty(2, 8, 64, device="meta"))
+
+
+# Imports a built variant's folder as a package with kernels, transformers and diffusers
+# blocked, calls an op on CPU tensors and finds the integration's entry points.
+ONLY_TORCH = textwrap.dedent("""
+    import importlib.abc, importlib.util, sys
+
+    class Blocked(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("kernels", "transformers", "diffusers"):
+                raise ImportError(f"{name} is blocked here")
+            return None
+
+    sys.meta_path.insert(0, Blocked())
+    import torch
+
+    variant = sys.argv[1]
+    spec = importlib.util.spec_from_file_location("ltx_kernels_only_torch", variant + "/__init__.py",
+                                                  submodule_search_locations=[variant])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = package
+    spec.loader.exec_module(package)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(package.rms_norm(x, None, 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    for name in ("kernelize_diffusers", "kernelize_transformers", "unkernelize", "replaced_modules",
+                 "transformers_mapping", "diffusers_mapping"):
+        assert callable(getattr(package, name)) and name in package.__all__, name
+    loaded = sorted(n for n in sys.modules if n.split(".")[0] in ("kernels", "transformers", "diffusers"))
+    assert not loaded, loaded
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("backend", sorted({b for b, _ in TARGETS}))
+def test_the_package_imports_with_torch_alone(backend):
+    variants = [p for p in sorted((REPO / "build").glob("*/metadata.json"))
+                if json.loads(p.read_text())["backend"]["type"] == backend]
+    assert variants, f"no {backend} variant in build/: run `python -m builder` first"
+    done = subprocess.run([sys.executable, "-c", ONLY_TORCH, str(variants[0].parent)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -3,22 +3,30 @@
 from . import layers, reference
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
+from .integration import diffusers_mapping, kernelize_diffusers, kernelize_transformers, replaced_modules, \
+    transformers_mapping, unkernelize
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
 from .rope import qk_norm_rope, rope_interleaved, rope_rotate_half
 
 __all__ = [
     "adaln",
+    "diffusers_mapping",
     "fused_add_rms_norm",
     "gated_residual",
     "gated_residual_adaln",
     "geglu",
     "gelu",
     "gelu_mul",
+    "kernelize_diffusers",
+    "kernelize_transformers",
     "layers",
     "ops",
     "qk_norm_rope",
     "reference",
+    "replaced_modules",
     "rms_norm",
     "rope_interleaved",
     "rope_rotate_half",
+    "transformers_mapping",
+    "unkernelize",
 ]

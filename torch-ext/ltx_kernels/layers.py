@@ -6,7 +6,7 @@ fp32 rounding where the host rounds intermediates in the model dtype, as each do
 says). Whatever a layer does not support (a dtype, an affine norm, a custom attention
 processor, ...) goes to the host's own forward, ``_host(self).forward``: kernelize binds the
 layer's forward to the instance and leaves the class's forward as it was (and
-``ltx_kernels_integration.kernelize_diffusers`` then moves it into a subclass, see `_host`).
+`integration.kernelize_diffusers` then moves it into a subclass, see `_host`).
 
 The transformers layers match the hooks transformers declares (``"RMSNorm"``,
 ``"RMSNormZeroCentered"``, ``"GeluTanh"``, ``"rotary_pos_emb"``), and under torch.compile
@@ -55,11 +55,10 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 def _host(module) -> type:
-    """The host module's class. ``ltx_kernels_integration.kernelize_diffusers`` moves each
-    layer's forward from the instance, where kernelize binds it, into a subclass of the
-    host's class that names the host in ``_ltx_host``: dynamo guards a per-instance forward
-    with the module's hook dicts (four guards per module, about 0.5 ms of guard checks per
-    call of a kernelized LTX 2B on the H200)."""
+    """The host module's class (the one lookup: `integration` uses it too).
+    `integration.kernelize_diffusers` moves each layer's forward from the instance, where
+    kernelize binds it, into a subclass of the host's class that names the host in
+    ``_ltx_host``: dynamo guards a per-instance forward with the module's hook dicts."""
     return getattr(type(module), "_ltx_host", type(module))
 
 
@@ -150,9 +149,22 @@ class ApplyRotaryPosEmb(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         if not _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) or _under_torch_compile():
-            return _host(self).forward(self, q, k, cos, sin, unsqueeze_dim)
+            return _host(self).forward(_host_self(self), q, k, cos, sin, unsqueeze_dim)
         # unsqueeze_dim is where the heads are: [B, H, S, D] (1) or [B, S, H, D] (2).
         return rope_rotate_half(q, k, cos, sin, sequence_dim=3 - unsqueeze_dim)
+
+
+def _host_self(wrapper):
+    """What to call the host's forward on, for a layer bound to kernels' wrapper module of
+    a hooked function. Under torch.compile, kernels (>= 0.18) calls the layer a model
+    selected with the function's module-wide wrapper as ``self``, on which the host's
+    forward would select the layer again: the host's forward is called on the host class
+    instead, an object no model selects a layer for, and runs the function. A host that is
+    a module class of its own gets ``wrapper``."""
+    host = _host(wrapper)
+    if host.__name__ == "Func" and host.__qualname__.endswith("<locals>.Func"):
+        return host
+    return wrapper
 
 
 def _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) -> bool:

@@ -1,20 +1,23 @@
-"""Run a transformers model or a diffusers pipeline on ltx-kernels' layers with one call.
+"""Run a transformers model or a diffusers pipeline on this package's layers with one call.
 
-    from ltx_kernels_integration import kernelize_diffusers, kernelize_transformers
+    kernel = get_kernel("ltx-kernels/ltx-kernels", version=1, trust_remote_code=True)  # or get_local_kernel(path)
 
-    pipe.to("cuda")                        # first move the model,
-    counts = kernelize_diffusers(pipe)     # then kernelize (its transformer / unet),
-    pipe.enable_model_cpu_offload()        # and only then install offload hooks, if any
+    pipe.to("cuda")                               # first move the model,
+    counts = kernel.kernelize_diffusers(pipe)     # then kernelize (its transformer / unet),
+    pipe.enable_model_cpu_offload()               # and only then install offload hooks, if any
 
     model = AutoModelForCausalLM.from_pretrained(..., device_map="cuda")
-    counts = kernelize_transformers(model)  # {"RMSNorm": 145, "ApplyRotaryPosEmb": 1, ...}
+    counts = kernel.kernelize_transformers(model)  # {"RMSNorm": 145, "ApplyRotaryPosEmb": 36, ...}
 
 Both return how many modules each layer replaced and refuse, with a message saying what to
 do, when the model is on no single device type, still on the meta device, behind CPU or
-group offload hooks, or holds nothing these layers replace. The layers come from this
-checkout's build (`python -m builder`; ``repo=Path(...)`` for another one, ``backend="cpu"``
-for its CPU variant) or from the Hub (``repo="ltx-kernels/ltx-kernels"``, version 1; kernels'
-``LOCAL_KERNELS=ltx-kernels/ltx-kernels=/path`` override applies to it).
+group offload hooks, or holds nothing these layers replace. The layers are this package's
+own (the variant that was loaded); ``repo=Path(...)`` takes them from another build
+(``backend="cpu"`` for its CPU variant), ``repo="ltx-kernels/ltx-kernels"`` from the Hub
+(version 1, or ``revision=``; kernels' ``LOCAL_KERNELS`` override applies to it).
+
+kernels, transformers and diffusers are imported inside the functions: the kernel package
+itself needs only torch.
 
 transformers declares hub hooks itself (``"RMSNorm"``, ``"RMSNormZeroCentered"``,
 ``"GeluTanh"``, ``"rotary_pos_emb"``); Gemma's RMSNorm classes and the diffusers classes
@@ -22,14 +25,18 @@ have none, so this module tags them with ``kernels.replace_kernel_forward_from_h
 condition that leaves configurations the layers do not fuse, such as affine norms or
 custom attention processors, on their stock forward). `kernels.kernelize` replaces the
 forward of every tagged module in the model: ours where this mapping has a layer, the
-stock forward everywhere else.
+stock forward everywhere else. transformers' hooks do nothing unless its kernels pin is
+met; `kernelize_transformers` then refuses, naming the versions that work together.
 
-Unlike modules, transformers' ``apply_rotary_pos_emb`` hook is one object per model file,
-shared by every model of that type in the process; `unkernelize` puts the stock forwards
-back (used by the examples and benchmarks to compare against the stock model).
+A hooked function such as transformers' ``apply_rotary_pos_emb`` runs through a wrapper
+module: with kernels >= 0.18 one per module that calls it (each attention module, so each
+model instance has its own), with kernels 0.17 one per model file, shared by every model of
+that type. Both are counted and restored as modules; `unkernelize` puts the stock forwards
+back.
 """
 
 import contextlib
+import functools
 import importlib
 import logging
 import sys
@@ -38,12 +45,15 @@ from types import MethodType
 from typing import Dict, Iterator, Optional, Union
 
 import torch
-from kernels import LayerRepository, LocalLayerRepository, Mode, get_local_kernel, kernelize, \
-    replace_kernel_forward_from_hub, use_kernel_mapping
+
+from . import layers
+from .layers import _host
+
+__all__ = ["diffusers_mapping", "kernelize_diffusers", "kernelize_transformers", "replaced_modules",
+           "transformers_mapping", "unkernelize"]
 
 HUB_REPO_ID = "ltx-kernels/ltx-kernels"
 HUB_VERSION = 1
-CHECKOUT = Path(__file__).resolve().parent
 DEVICES = ("cuda", "cpu")
 
 # transformers hook name -> our layer.
@@ -73,8 +83,35 @@ DIFFUSERS_LAYERS = {
 }
 # The pipeline components kernelize_diffusers kernelizes.
 DIFFUSERS_COMPONENTS = ("transformer", "transformer_2", "unet")
+# transformers releases and the kernels releases their hub hooks work with (their pins).
+TRANSFORMERS_KERNELS_PAIRS = (
+    ("transformers >= 5.25", "kernels >= 0.19.1, < 0.20"),
+    ("transformers 5.23 and 5.24", "kernels >= 0.18.2, < 0.19"),
+    ("transformers 5.22", "kernels >= 0.17.2, < 0.18"),
+)
 
 Repo = Union[str, Path, None]
+
+
+class _PackageLayer:
+    """A layer of this package itself, the variant this module was loaded from: the
+    repository interface `kernels.kernelize` uses (``load()`` returns the layer class;
+    equality and hash key kernels' cache of loaded layers)."""
+
+    def __init__(self, layer_name: str):
+        self.layer_name = layer_name
+
+    def load(self):
+        return getattr(layers, self.layer_name)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.layer_name == self.layer_name
+
+    def __hash__(self):
+        return hash((__name__, self.layer_name))
+
+    def __str__(self):
+        return f"`{__package__}` (the loaded package, layer `{self.layer_name}`)"
 
 
 class _VariantRepository:
@@ -85,6 +122,8 @@ class _VariantRepository:
         self.path, self.layer_name, self.backend = path, layer_name, backend
 
     def load(self):
+        from kernels import get_local_kernel
+
         return getattr(get_local_kernel(self.path, backend=self.backend).layers, self.layer_name)
 
     def __eq__(self, other):
@@ -98,9 +137,15 @@ class _VariantRepository:
         return f"`{self.path}` ({self.backend} variant, layer `{self.layer_name}`)"
 
 
-def _repository(layer_name: str, repo: Repo, backend: Optional[str], revision: Optional[str]):
+def _repository(layer_name: str, repo: Repo, backend: Optional[str], revision: Optional[str],
+                trust_remote_code: bool):
+    from kernels import LayerRepository, LocalLayerRepository
+
     if repo is None:
-        repo = CHECKOUT if (CHECKOUT / "build").is_dir() else HUB_REPO_ID
+        if backend is not None or revision is not None:
+            raise ValueError("backend= and revision= pick another build (with repo=): without repo= the layers "
+                             "are the loaded package's own")
+        return _PackageLayer(layer_name)
     if isinstance(repo, Path):
         if backend is not None:
             return _VariantRepository(repo, layer_name, backend)
@@ -108,16 +153,17 @@ def _repository(layer_name: str, repo: Repo, backend: Optional[str], revision: O
     if backend is not None:
         raise ValueError("backend= picks a variant of a local build; the Hub picks torch's variant itself")
     if revision is not None:
-        return LayerRepository(repo, layer_name=layer_name, revision=revision)
-    return LayerRepository(repo, layer_name=layer_name, version=HUB_VERSION)
+        return LayerRepository(repo, layer_name=layer_name, revision=revision, trust_remote_code=trust_remote_code)
+    return LayerRepository(repo, layer_name=layer_name, version=HUB_VERSION, trust_remote_code=trust_remote_code)
 
 
 def kernel_mapping(hooks: Dict[str, str], repo: Repo = None, *, backend: Optional[str] = None,
-                   revision: Optional[str] = None) -> dict:
+                   revision: Optional[str] = None, trust_remote_code: bool = False) -> dict:
     """The `kernels.use_kernel_mapping` mapping from hook names to our layers (for CUDA and
-    CPU). ``repo``: a local checkout (Path, with its build/), a Hub repo id (str; version 1,
-    or ``revision``), or None for this checkout's build when it has one, else the Hub."""
-    return {hook: {device: _repository(layer, repo, backend, revision) for device in DEVICES}
+    CPU). ``repo``: None for this package's own layers, a local checkout or build (Path;
+    ``backend`` picks its variant), or a Hub repo id (str; version 1, or ``revision``;
+    ``trust_remote_code`` as for `kernels.get_kernel`)."""
+    return {hook: {device: _repository(layer, repo, backend, revision, trust_remote_code) for device in DEVICES}
             for hook, layer in hooks.items()}
 
 
@@ -135,26 +181,39 @@ def diffusers_mapping(repo: Repo = None, **kwargs) -> dict:
 
 
 def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device: Optional[str] = None,
-                           mode: Mode = Mode.INFERENCE, **kwargs) -> Dict[str, int]:
+                           mode=None, **kwargs) -> Dict[str, int]:
     """Kernelize a transformers model (after ``.to(device)``); returns the number of
-    modules each layer replaced. Hooked ``apply_rotary_pos_emb`` functions whose math is not
-    the Llama rotation this layer computes are put back to stock (see `ApplyRotaryPosEmb`).
+    modules each layer replaced (a hooked function counts once per wrapper: per attention
+    module with kernels >= 0.18). ``mode``: a `kernels.Mode`, ``Mode.INFERENCE`` by default.
+    Hooked ``apply_rotary_pos_emb`` functions whose math is not the Llama rotation this
+    layer computes are put back to stock (see `ApplyRotaryPosEmb`).
 
     With ``Mode.TORCH_COMPILE`` in ``mode`` the model is put back to stock (`unkernelize`)
     and the result is ``{}``; ``repo`` and ``kwargs`` are then unused. Under torch.compile
     these layers run the host's code anyway (inductor fuses it with its neighbours, see the
     layers' ``_under_torch_compile``), and the per-module forwards kernelize installs would
-    only add dynamo guards (about 0.2-0.5 ms per call of a 36-layer model)."""
+    only add dynamo guards."""
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    mode = Mode.INFERENCE if mode is None else mode
     device = _check_ready(model, device, "model")
+    inert = _inert_transformers_hooks()
+    if inert:
+        raise RuntimeError(inert)
+    _tag(TRANSFORMERS_TAGGED)
+    hooked = [m for m in _hooked(model) if type(m).kernel_layer_name in TRANSFORMERS_LAYERS]
+    if not hooked:
+        raise _nothing_to_replace(model)
     if Mode.TORCH_COMPILE in mode:
-        _tag(TRANSFORMERS_TAGGED)
-        if not any(type(m).kernel_layer_name in TRANSFORMERS_LAYERS for m in _hooked(model)):
-            raise _nothing_to_replace(model)
         unkernelize(model)
         return {}
     _relink_copied_functions(model)
     with use_kernel_mapping(transformers_mapping(repo, **kwargs), inherit_mapping=False), _quiet_unmapped_hooks():
         kernelize(model, mode=mode, device=device)
+    if not replaced_modules(model, TRANSFORMERS_LAYERS.values()) and mode == Mode.INFERENCE:
+        unkernelize(model)
+        raise RuntimeError(f"kernelize bound none of the {len(hooked)} hooked modules of {type(model).__name__} "
+                           f"to ltx-kernels' layers ({_versions()})")
     _keep_only_matching_rotary(model)
     counts = replaced_modules(model, TRANSFORMERS_LAYERS.values())
     if not counts:
@@ -164,15 +223,19 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
 
 
 def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optional[str] = None,
-                        mode: Mode = Mode.INFERENCE, **kwargs) -> Dict[str, int]:
+                        mode=None, **kwargs) -> Dict[str, int]:
     """Kernelize a diffusers pipeline's transformer / unet, or a diffusers model itself
     (after ``.to(device)``, before ``enable_model_cpu_offload()``); returns the number of
-    modules each layer replaced, over all components.
+    modules each layer replaced, over all components. ``mode``: a `kernels.Mode`,
+    ``Mode.INFERENCE`` by default.
 
     Each replaced module then runs its layer's forward from a subclass of its class (same
     name, `isinstance` holds; `unkernelize` puts the class back), not from the per-instance
     forward kernelize binds, which dynamo guards with each module's hook dicts (see
     `_forwards_into_classes`)."""
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    mode = Mode.INFERENCE if mode is None else mode
     models = _diffusers_models(pipeline_or_model)
     devices = {name: _check_ready(model, device, name) for name, model in models.items()}
     mapping = diffusers_mapping(repo, **kwargs)
@@ -194,12 +257,12 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
 
 
 def replaced_modules(model: torch.nn.Module, layers=None) -> Dict[str, int]:
-    """How many modules (and hooked functions) of ``model`` run one of our layers, per
-    layer name (``layers`` limits the names counted)."""
+    """How many modules (and hooked-function wrappers) of ``model`` run one of our layers,
+    per layer name (``layers`` limits the names counted)."""
     counts: Dict[str, int] = {}
     for module in _hooked(model):
         func = _running_forward(module)
-        if func is _host_class(module).forward:
+        if func is _host(module).forward:
             continue
         layer = func.__qualname__.split(".")[0]
         if (layers is None or layer in layers) and func.__module__.endswith(".layers"):
@@ -208,10 +271,11 @@ def replaced_modules(model: torch.nn.Module, layers=None) -> Dict[str, int]:
 
 
 def unkernelize(model: torch.nn.Module) -> None:
-    """Every hooked module of ``model`` (and hooked function, shared by its model file)
-    back to its stock forward."""
+    """Every hooked module and hooked-function wrapper of ``model`` back to its stock
+    forward (with kernels 0.17 a function's wrapper is shared by its model file)."""
     for module in _hooked(model):
         vars(module).pop("forward", None)
+        vars(module).pop("_kernel_repo", None)
         if not _class_back(module) and hasattr(type(module), "_ltx_host"):
             # a class another library derived from ours (parametrize, FSDP)
             module.forward = MethodType(type(module)._ltx_host.forward, module)
@@ -220,12 +284,46 @@ def unkernelize(model: torch.nn.Module) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def _versions() -> str:
+    import kernels
+    import transformers
+
+    return f"transformers {transformers.__version__}, kernels {kernels.__version__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _inert_transformers_hooks() -> Optional[str]:
+    """None when transformers' hub-kernel decorators tag what they decorate; else why not,
+    with the versions that work. transformers replaces them with no-op stubs when the
+    installed kernels is outside its pin: its models then have nothing to kernelize."""
+    try:
+        from transformers.integrations import hub_kernels
+
+        probe, module = _probe_hooks(hub_kernels.use_kernel_forward_from_hub, hub_kernels.use_kernelized_func)
+        if hasattr(probe, "kernel_layer_name") and getattr(module, "_kernel_funcs", None):
+            return None
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    try:
+        from transformers.utils import import_utils
+
+        low, high = import_utils.KERNELS_MIN_VERSION, import_utils.KERNELS_MAX_VERSION
+        pin = f"kernels >= {low}, < {high} (pip install 'kernels>={low},<{high}')"
+    except (ImportError, AttributeError):
+        pin = "another kernels"
+    return (f"transformers' hub-kernel hooks are inert ({_versions()}), so nothing in its models can be "
+            f"kernelized: this transformers takes {pin}. Versions that work together: "
+            f"{'; '.join(f'{t} with {k}' for t, k in TRANSFORMERS_KERNELS_PAIRS)}")
+
+
 def _nothing_to_replace(model: torch.nn.Module, note: str = "") -> ValueError:
     return ValueError(f"{type(model).__name__} has no module ltx-kernels replaces (hooks it maps: "
                       f"{', '.join(TRANSFORMERS_LAYERS)}; Gemma's RMSNorm){note}")
 
 
-def _mode_note(mode: Mode) -> str:
+def _mode_note(mode) -> str:
+    from kernels import Mode
+
     if mode == Mode.INFERENCE:
         return ""
     return (f"; under {mode} kernelize keeps the stock forward of layers without a backward or without "
@@ -233,22 +331,15 @@ def _mode_note(mode: Mode) -> str:
 
 
 def _hooked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The modules kernelize binds: tagged modules and the function modules attached to
-    modules through `use_kernelized_func` (transformers' apply_rotary_pos_emb, one object
-    shared by the model's attention modules), each once."""
+    """The modules kernelize binds: tagged modules and the wrapper modules of hooked
+    functions attached through `use_kernelized_func` (``_kernel_funcs``: one per attention
+    module with kernels >= 0.18, the model file's shared one with 0.17), each once."""
     seen = set()
     for module in model.modules():
         for hooked in (module, *getattr(module, "_kernel_funcs", {}).values()):
             if hasattr(type(hooked), "kernel_layer_name") and id(hooked) not in seen:
                 seen.add(id(hooked))
                 yield hooked
-
-
-def _host_class(module: torch.nn.Module) -> type:
-    """The module's own class, under the layer subclass `_forwards_into_classes` may have
-    given it (and any class another library derived from that one); the layers' `_host`
-    reads the same attribute."""
-    return getattr(type(module), "_ltx_host", type(module))
 
 
 def _running_forward(module: torch.nn.Module):
@@ -266,11 +357,10 @@ def _forwards_into_classes(model: torch.nn.Module) -> None:
     subclass of the host's class whose ``forward`` is the layer's (kernelize's own fallback
     to the class's forward is dropped). For a module with a forward in its instance dict,
     dynamo traces ``Module.__call__`` and guards the module's four hook dicts (and the
-    bound function); for a class forward it calls ``forward`` directly. On a kernelized LTX
-    2B those guards took dynamo's cache lookup from 0.67 to 1.19 ms per call (H200 host),
-    time the GPU waits at the start of every compiled forward. The subclass keeps the
-    host's name and module, so `isinstance` checks and diffusers' class-name lists hold;
-    a whole-model pickle cannot name it (save the state dict, as diffusers does).
+    bound function); for a class forward it calls ``forward`` directly, and the GPU does
+    not wait on those guards at the start of every compiled forward. The subclass keeps
+    the host's name and module, so `isinstance` checks and diffusers' class-name lists
+    hold; a whole-model pickle cannot name it (save the state dict, as diffusers does).
 
     Left as kernelize binds them: forwards of layers that do not reach their host through
     ``_host`` (a build older than this, which would call itself), forwards that are not a
@@ -285,8 +375,8 @@ def _forwards_into_classes(model: torch.nn.Module) -> None:
         if func is host.forward:
             del module.forward
             continue
-        layers = sys.modules.get(func.__module__)
-        if not hasattr(layers, "_host") or not _importable(host):
+        layers_module = sys.modules.get(func.__module__)
+        if not hasattr(layers_module, "_host") or not _importable(host):
             continue
         key = (host, func)
         if key not in _LAYER_CLASSES:
@@ -318,17 +408,26 @@ def _importable(cls: type) -> bool:
     return getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
+# Where kernels logs "No kernel mapping found": kernels.layer.layer up to 0.18,
+# kernels._internals.layer.layer since 0.19.
+_KERNELS_LAYER_LOGGERS = ("kernels.layer.layer", "kernels._internals.layer.layer")
+
+
 @contextlib.contextmanager
 def _quiet_unmapped_hooks():
     """kernels warns once per module about every hook the mapping lacks (transformers hooks
     SiLU, MLPs, ...): those keep their stock forward, which is the point of our mapping."""
-    kernels_logger = logging.getLogger("kernels.layer.layer")
+    import kernels
+
+    loggers = [logging.getLogger(name) for name in {*_KERNELS_LAYER_LOGGERS, kernels.LayerRepository.__module__}]
     unmapped = _MessageFilter("No kernel mapping found for layer")
-    kernels_logger.addFilter(unmapped)
+    for logger in loggers:
+        logger.addFilter(unmapped)
     try:
         yield
     finally:
-        kernels_logger.removeFilter(unmapped)
+        for logger in loggers:
+            logger.removeFilter(unmapped)
 
 
 class _MessageFilter(logging.Filter):
@@ -341,6 +440,8 @@ class _MessageFilter(logging.Filter):
 
 
 def _tag(classes: Dict[str, str], conditions: Optional[dict] = None) -> None:
+    from kernels import replace_kernel_forward_from_hub
+
     for path, hook in classes.items():
         module_name, class_name = path.split(":")
         try:
@@ -407,11 +508,39 @@ def _diffusers_models(pipeline_or_model) -> Dict[str, torch.nn.Module]:
     return models
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_function_wrappers() -> bool:
+    """kernels attaches a hooked function's own wrapper to every module (0.17), not a
+    wrapper of the module's own (>= 0.18)."""
+    from kernels import use_kernel_forward_from_hub, use_kernelized_func
+
+    probe, module = _probe_hooks(use_kernel_forward_from_hub, use_kernelized_func)
+    return any(wrapper is probe for wrapper in module._kernel_funcs.values())
+
+
+def _probe_hooks(use_kernel_forward_from_hub, use_kernelized_func):
+    """A function hooked with the first decorator and a module of a class it is attached
+    to with the second: what these decorators make of a model file's functions."""
+
+    @use_kernel_forward_from_hub("LtxKernelsProbe")
+    def probe(x):
+        return x
+
+    @use_kernelized_func(probe)
+    class Probe(torch.nn.Module):
+        pass
+
+    return probe, Probe()
+
+
 def _relink_copied_functions(model: torch.nn.Module) -> None:
-    """``copy.deepcopy(model)`` copies the hooked functions in ``_kernel_funcs`` too, while
-    the model's code still calls its model file's own: point ``_kernel_funcs`` back at the
-    function that runs, so that kernelize replaces it (each hooked function has a class of
-    its own, which the copy keeps)."""
+    """With kernels 0.17 (one wrapper per model file), ``copy.deepcopy(model)`` copies the
+    wrappers in ``_kernel_funcs`` too, while the model's code still calls its model file's
+    own: point ``_kernel_funcs`` back at the wrapper that runs, so that kernelize replaces
+    it. kernels >= 0.18 routes the model file's calls to the module's own (copied) wrapper:
+    nothing to do."""
+    if not _shared_function_wrappers():
+        return
     for module in model.modules():
         functions = getattr(module, "_kernel_funcs", None)
         if not functions:
@@ -427,23 +556,28 @@ def _keep_only_matching_rotary(model: torch.nn.Module) -> None:
     """Put back the stock forward of every replaced ``apply_rotary_pos_emb`` whose result
     differs from the layer's on a probe: model files may share the hook's name and
     signature with other math (nanochat's rotation has the opposite sign, gpt-oss takes
-    half-width tables)."""
+    half-width tables). One probe per wrapper class and layer."""
     generator = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 3, 8, generator=generator), torch.randn(2, 2, 3, 8, generator=generator)
     angles = torch.rand(2, 3, 4, generator=generator) * 6.28
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    verdicts: Dict[tuple, bool] = {}
     for function in (m for m in _hooked(model) if type(m).kernel_layer_name == "rotary_pos_emb"):
-        if "forward" not in vars(function) or vars(function)["forward"].__func__ is type(function).forward:
+        forward = _running_forward(function)
+        if forward is type(function).forward:
             continue
-        try:
-            expected = type(function).forward(function, q, k, cos, sin)
-            actual = function(q, k, cos, sin)
-            matches = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(actual, expected))
-        except (RuntimeError, ValueError, TypeError) as error:
-            logging.getLogger(__name__).info("stock apply_rotary_pos_emb rejects the probe: %s", error)
-            matches = False
-        if not matches:
-            function.forward = MethodType(type(function).forward, function)
+        key = (type(function), forward)
+        if key not in verdicts:
+            try:
+                expected = type(function).forward(function, q, k, cos, sin)
+                actual = function(q, k, cos, sin)
+                verdicts[key] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(actual, expected))
+            except (RuntimeError, ValueError, TypeError) as error:
+                logging.getLogger(__name__).info("stock apply_rotary_pos_emb rejects the probe: %s", error)
+                verdicts[key] = False
+        if not verdicts[key]:
+            vars(function).pop("forward", None)
+            vars(function).pop("_kernel_repo", None)
 
 
 # Conditions for the diffusers classes: configurations the layers fuse. Anything else keeps
@@ -474,7 +608,7 @@ def _ltx_rope_fusable(rope) -> bool:
     say) could give batch entries different tables, which the layer assumes equal."""
     from diffusers.models.transformers.transformer_ltx import LTXVideoRotaryPosEmbed
 
-    host = _host_class(rope)
+    host = _host(rope)
     return (host.forward is LTXVideoRotaryPosEmbed.forward
             and host._prepare_video_coords is LTXVideoRotaryPosEmbed._prepare_video_coords)
 
