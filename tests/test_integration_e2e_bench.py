@@ -1,9 +1,9 @@
-"""benchmarks/e2e_models.py --tiny runs every workload in every configuration on the CPU:
+"""benchmarks/e2e/e2e_models.py --tiny runs every workload in every configuration on the CPU:
 the GPU run exercises no code path CI has not. torch.compile uses dynamo's eager backend
 here (fullgraph: no graph break in the stock or the kernelized models, without inductor's
 compile time)."""
 
-import importlib.util
+import importlib
 import json
 
 import pytest
@@ -15,10 +15,7 @@ pytest.importorskip("transformers", reason="requirements-dev.txt installs transf
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("e2e_models", REPO / "benchmarks" / "e2e_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.e2e.e2e_models")
 
 
 def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):

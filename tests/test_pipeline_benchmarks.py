@@ -1,5 +1,5 @@
-"""The pipeline benchmarks end to end on CPU: benchmarks/ltx_pipeline.py and
-benchmarks/qwen3_generate.py with --tiny --all (their four configurations), checking the JSON
+"""The pipeline benchmarks end to end on CPU: benchmarks/e2e/ltx_pipeline.py and
+benchmarks/e2e/qwen3_generate.py with --tiny --all (their four configurations), checking the JSON
 they write and that the kernelized runs match the baseline.
 
 Compile configurations use `--compile-backend eager`: dynamo captures the whole graph
@@ -7,7 +7,7 @@ Compile configurations use `--compile-backend eager`: dynamo captures the whole 
 would take minutes on this machine's CPU. No warmup: only correctness is checked here.
 """
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -22,10 +22,7 @@ pytest.importorskip("transformers")
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"benchmarks.e2e.{name}")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,8 +22,8 @@ call's timeline (kernels, busy time, span, gaps), a Markdown table, JSON (--json
 PNG bar chart (matplotlib, if importable). --clocks also records the SM clock, power and how
 often the software power cap held while each configuration was timed (nvidia-smi).
 
-    python benchmarks/e2e_models.py --json benchmarks/results/e2e_h200.json   # on a GPU
-    python benchmarks/e2e_models.py --tiny                                    # small models, seconds on CPU
+    python -m benchmarks.e2e.e2e_models --json benchmarks/results/e2e_ltx.json   # on a GPU
+    python -m benchmarks.e2e.e2e_models --tiny                                  # small models, seconds on CPU
 """
 
 import argparse
@@ -41,10 +41,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from kernels import Mode, get_local_kernel
 
-REPO = Path(__file__).resolve().parents[1]
-
-from kernels import Mode, get_local_kernel  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 _kernel = get_local_kernel(REPO)  # this checkout's build (torch's backend), with its integration
 kernelize_diffusers, kernelize_transformers, unkernelize = (

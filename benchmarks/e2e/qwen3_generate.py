@@ -1,8 +1,8 @@
 """Qwen3 greedy generation, stock and with ltx-kernels, eager and compiled: prefill time,
 decode tokens/s, peak GPU memory, and the kernelized run's tokens against the baseline's.
 
-    python benchmarks/qwen3_generate.py --all --prompt-tokens 512 --new-tokens 128 --output benchmarks/results/qwen3_generate_h200.json
-    python benchmarks/qwen3_generate.py --tiny --all --compile-backend eager     # small model, seconds on CPU
+    python -m benchmarks.e2e.qwen3_generate --all --prompt-tokens 512 --new-tokens 128 --output benchmarks/results/qwen3_generate.json
+    python -m benchmarks.e2e.qwen3_generate --tiny --all --compile-backend eager     # small model, seconds on CPU
 
 Loading: `AutoModelForCausalLM.from_pretrained(--model)` when the weights can be had;
 otherwise (no network) Qwen3-8B's real config with random weights. The prompt is random
@@ -24,20 +24,18 @@ On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code 
 """
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+from kernels import get_local_kernel
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
+from benchmarks.e2e.generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,
+                                           markdown_table, selected_configs, synchronize)
 
-from generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,  # noqa: E402
-                            markdown_table, selected_configs, synchronize)
-from kernels import get_local_kernel  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 _kernel = get_local_kernel(REPO)  # this checkout's build (torch's backend), with its integration
 kernelize_transformers, unkernelize = _kernel.kernelize_transformers, _kernel.unkernelize

@@ -1,8 +1,8 @@
 """Whole LTX-Video generation (denoising loop + VAE decode), stock and with ltx-kernels,
 eager and compiled: the command behind the seed's end-to-end numbers.
 
-    python benchmarks/ltx_pipeline.py --all --num-frames 49 --steps 30 --output benchmarks/results/ltx_pipeline_h200.json
-    python benchmarks/ltx_pipeline.py --tiny --all --compile-backend eager      # small models, seconds on CPU
+    python -m benchmarks.e2e.ltx_pipeline --all --num-frames 49 --steps 30 --output benchmarks/results/ltx_pipeline.json
+    python -m benchmarks.e2e.ltx_pipeline --tiny --all --compile-backend eager      # small models, seconds on CPU
 
 Loading: `LTXPipeline.from_pretrained(--model)` when the weights can be had; otherwise (no
 network, as on our machines) the same pipeline built from configs with random weights: the
@@ -23,20 +23,18 @@ On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code 
 """
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+from kernels import get_local_kernel
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))  # generation_cli, when this file is imported by path
+from benchmarks.e2e.generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,
+                                           markdown_table, selected_configs, synchronize)
 
-from generation_cli import (DTYPES, add_common_arguments, device_name, finish, kernelize_mode,  # noqa: E402
-                            markdown_table, selected_configs, synchronize)
-from kernels import get_local_kernel  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 _kernel = get_local_kernel(REPO)  # this checkout's build (torch's backend), with its integration
 kernelize_diffusers, unkernelize = _kernel.kernelize_diffusers, _kernel.unkernelize

@@ -1,0 +1,1 @@
+"""End-to-end benchmarks: whole models and pipelines, stock and kernelized, eager and compiled."""
