@@ -1,6 +1,6 @@
-// The norm family on the CPU: the twin of norm.cu, same math and roundings (fp32
-// accumulation, the residual sum rounded to the input dtype, one rounding at the end;
-// float64 tensors in double), rows spread over threads.
+// The norm family on the CPU: the twin of norm_forward.cu and norm_backward.cu, same math
+// and roundings (fp32 accumulation, the residual sum rounded to the input dtype, one
+// rounding at the end; float64 tensors in double), rows spread over threads.
 #include <ATen/Parallel.h>
 
 #include "norm.h"
