@@ -1,21 +1,13 @@
-// The norm family's backward on CUDA.
-//
-// Backward (see NormBackwardArgs). A block owns a column slice of bwd_vecs vectors per
-// thread and walks a fixed set of rows of one group, keeping its slice of x and dy in
-// registers and adding its slice of the column grads into fp32 shared memory (each thread
-// its own slots: no atomics, no races); it then writes one partial row per column grad,
-// which column_sum_kernel adds up in a fixed order. Rows wider than one slice are split over
-// blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange their
-// row sums through distributed shared memory; elsewhere (or past 8 slices) each block
-// reads the whole row for the row sums (the other slices' reads partly hit L2).
-//
-// Bytes in flight come from loads per thread: four 16-byte vectors of x and of dy per
-// thread (32 elements in 16 bits: 128-thread rows at D = 4096, four blocks per SM; 16 in
-// fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes, eight single
-// elements on the unaligned path. More would spill beside the fp32 factor, and so do four
-// with the gated residual's loads (three column grads): it takes two. One 16-byte vector
-// per thread on 512-thread rows (84 registers, one block per SM), even with the next row
-// prefetched, took 1.5x as long on the H200.
+// The norm family's backward on CUDA (see NormBackwardArgs in norm.h). A block owns a
+// column slice of bwd_vecs vectors per thread and walks a fixed set of rows of one group,
+// keeping its slice of x and dy in registers and adding its slice of the column grads into
+// fp32 shared memory (each thread its own slots: no atomics, no races); it then writes one
+// partial row per column grad, which column_sum_kernel adds up in a fixed order. Rows wider
+// than one slice are split over blockIdx.x: on sm_90 the slices of a row are one cluster's
+// blocks, which exchange their row sums through distributed shared memory; elsewhere (or
+// past 8 slices) each block reads the whole row for the row sums (the other slices' reads
+// partly hit L2). The measurements behind the launch constants, and the alternatives they
+// beat, are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 
@@ -26,6 +18,12 @@
 namespace ltx {
 namespace {
 
+// Bytes in flight come from loads per thread: four 16-byte vectors of x and of dy per
+// thread (32 elements in 16 bits: 128-thread rows at D = 4096, four blocks per SM; 16 in
+// fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes, eight single
+// elements on the unaligned path. More would spill beside the fp32 factor, and so do four
+// with the gated residual's loads (three column grads): it takes two. One vector a thread
+// on 512-thread rows (84 registers, one block per SM) was slower (docs/decisions.md).
 __host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes, int accs) {
   return vec == 1 ? 8 : accs == 3 || vec * grad_bytes > 16 ? 2 : 4;
 }
@@ -60,23 +58,23 @@ constexpr int bwd_row_threads(int accs) { return accs >= 2 ? kBwdMaxBlock / 2 : 
 
 template <typename T, typename W, typename G>
 struct NormBwdParams {
-  T* grad_input;  // [rows, cols] contiguous
-  const G* grad_out;
-  const T* input;
-  const T* grad_extra;
-  const W* weight;
-  const T* scale;
-  const float2* stats;  // the forward's (mean, rstd) per row, or nullptr
-  T* factor_rows;
-  T* shift_rows;
-  float* factor_partial;  // [groups, gridDim.y, cols]
-  float* shift_partial;
+  T* grad_input;          // [rows, cols] contiguous
+  const G* grad_out;      // [rows, cols], rows grad_out_stride apart
+  const T* input;         // [rows, cols], rows input_stride apart
+  const T* grad_extra;    // [rows, cols], rows grad_extra_stride apart, or nullptr
+  const W* weight;        // [cols] or nullptr
+  const T* scale;         // per (batch, token) rows, see Modulation; nullptr without one
+  const float2* stats;    // [rows] the forward's (mean, rstd), or nullptr
+  T* factor_rows;         // [rows, cols] contiguous, or nullptr
+  T* shift_rows;          // [rows, cols] contiguous, or nullptr
+  float* factor_partial;  // [groups, gridDim.y, cols], or nullptr
+  float* shift_partial;   // [groups, gridDim.y, cols], or nullptr
   // The gated residual before the norm (GATED; see NormBackwardArgs).
-  const T* gate;
-  const T* gate_input;
-  T* gate_input_grad;
-  T* gate_rows;
-  float* gate_partial;
+  const T* gate;          // per (batch, token) rows
+  const T* gate_input;    // [rows, cols], rows gate_input_stride apart
+  T* gate_input_grad;     // [rows, cols] contiguous
+  T* gate_rows;           // [rows, cols] contiguous, or nullptr
+  float* gate_partial;    // [groups, gridDim.y, cols], or nullptr
   int64_t gate_batch, gate_token, gate_input_stride;
   int64_t scale_batch, scale_token;
   int64_t group_rows;
@@ -239,11 +237,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       dys[k] = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
     }
   };
-  // The first row's loads go out before the factor's, whose conversion would hold them back
-  // (H200, bf16, same run: rms_norm backward 8192x4096 61.5 -> 60.9 us, 2048x4096 24.3 ->
-  // 23.0, 128x4096 8.6 -> 8.2, adaln rms [2,2688,2048] 29.0 -> 27.9). Not in the gated
-  // kernels (gated_residual_adaln's), which it slowed: rms [2,21504,2048] 298.7 -> 346.1 us,
-  // layer 319.6 -> 356.6, rms [2,2688,2048] 51.6 -> 56.6 (another run).
+  // The first row's loads go out before the factor's, whose conversion would hold them
+  // back; not in the gated kernels (gated_residual_adaln's), which it slowed
+  // (docs/decisions.md).
   constexpr bool kFirstRowEarly = !GATED && (!MODULATE || kBwdModulatedFirstRowEarly);
   const int64_t first_base = static_cast<int64_t>(blockIdx.y) * rows_per_block;
   // The row within the group of this thread at walk step base (an inactive row: the first).
@@ -272,11 +268,10 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     if (factor_per_row && active) load_own_factor(token);
     const T* scale_row = scale_row_of(factor_per_row ? token : 0);
     // Rows of more than a warp wait at the barriers of their row sums with no loads in
-    // flight. The block's next row, asked into L2 now, keeps DRAM busy meanwhile (H200,
-    // bf16: adaln rms [2,21504,2048] 159 -> 146 us, rms 32768x8192 443 -> 409 us). The
-    // gated residual, with no row sums, and rows within a warp were slower with it, and
-    // so was a prefetch two rows ahead. The saved statistics' line too: loaded from DRAM,
-    // they would hold up the write pass (adaln layer [2,21504,2048] 157 -> 153 us).
+    // flight: the block's next row, asked into L2 now, keeps DRAM busy meanwhile, and so
+    // does the saved statistics' line, which from DRAM would hold up the write pass. The
+    // gated residual alone (no row sums) and rows within a warp were slower with it, and so
+    // was a prefetch two rows ahead (docs/decisions.md).
     const int64_t next = base + row_step + row_in_block;
     constexpr bool kMayHaveStats = kNormed && MODULATE;
     if (kNormed && threads_per_row > 32 && next < p.group_rows) {
@@ -320,9 +315,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
     // AdaLN's backward may have the forward's statistics: one reduction then, of the dn
     // sums alone (sum of dn * centred, and LayerNorm's sum of dn). The centred sum is taken
-    // as sum(dn * x) - mean * sum(dn), so that the sums wait for no statistic (adaln layer
-    // [2,21504,2048] 153 -> 150 us); its rounding grows with |mean| / std, to about 1e-5
-    // of dn at 1000 (CPU study in docs/performance.md), far below bf16's.
+    // as sum(dn * x) - mean * sum(dn), so that the sums wait for no statistic
+    // (docs/decisions.md); its rounding grows with |mean| / std, to about 1e-5 of dn at
+    // 1000 (CPU study in docs/performance.md), far below bf16's.
     if (kMayHaveStats && p.stats != nullptr) {
       const float2 saved = p.stats[r];
       if constexpr (kLayer) mean = saved.x;  // RMSNorm's is 0: known at compile time
@@ -459,11 +454,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // This block's partial column sums, one row per column grad. Thread t of row rr takes its
   // vectors rr, rr + rows_per_block, ..., adds each over the block's rows in order and
   // stores it as one vector, where a loop of a column per thread took a division per
-  // column and a 4-byte store (H200, bf16, same run, with the first row's threads taking
-  // every vector: rms_norm backward 8192x4096 64.5 -> 60.9 us, 128x4096 10.7 -> 8.2,
-  // 2048x4096 26.3 -> 23.0, adaln rms [2,2688,2048] 31.1 -> 27.9; spread over the rows as
-  // here, another run: adaln rms [2,21504,2048] 146.6 -> 139.0, rms 648720x128 131.3 ->
-  // 128.1, where a block holds four or 32 rows).
+  // column and a 4-byte store (docs/decisions.md).
   __syncthreads();
   float* const partials[3] = {p.factor_partial, p.shift_partial, p.gate_partial};
   const int64_t partial_row = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * p.cols;
@@ -576,16 +567,10 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   // With column sums, rows of 64 threads share a block, up to four at a time, for a quarter
   // of those partial rows, as long as as many threads stay resident per SM (16-bit AdaLN's
   // two grads take 68 KB for four rows: on the H200 two such blocks fit, on sm_75 or sm_86
-  // the shared memory would cut the resident threads, so they keep a row per block). H200,
-  // bf16, same run: adaln rms [2,2688,2048] 44.7 -> 36.1 us, [2,21504,2048] 165 -> 159 us,
-  // the gated residual's [2,21504,2048] 151 -> 144 us; adaln layer [2,21504,2048], whose
-  // rows then wait for each other at two barriers per row, 195 -> 196 us. Rows without
-  // sums are not helped. Rows of 128 threads with one or two column grads (D = 4096 in 16
-  // bits) pair up in 256-thread blocks, as many threads per SM: rms_norm backward
-  // 8192x4096 66.4 -> 64.3 us, 4096x4096 42.4 -> 40.2, 2048x4096 30.0 -> 27.3, 128x4096
-  // 13.3 -> 11.5, 32768x4096 210.4 -> 208.2 (same run); adaln rms [2,2688,4096] 49.6 ->
-  // 46.3 us, layer 50.0 -> 46.6 (another run). Not with three (gated_residual_adaln's
-  // 128-thread rows at D = 2048): rms [2,21504,2048] 306.2 -> 317.5 us, layer 322.1 -> 332.7.
+  // the shared memory would cut the resident threads, so they keep a row per block). Rows
+  // without sums are not helped. Rows of 128 threads with one or two column grads (D = 4096
+  // in 16 bits) pair up in 256-thread blocks, as many threads per SM; with three
+  // (gated_residual_adaln's 128-thread rows at D = 2048) that was slower (docs/decisions.md).
   auto blocks_per_sm = [&](int threads) {
     return max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, threads, threads * thread_shared);
   };

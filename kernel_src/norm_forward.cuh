@@ -2,6 +2,8 @@
 // read once into registers (16-byte vectors where alignment allows), reduced in fp32, then
 // scaled and written with one rounding. The kernels and the launch choice live here, in
 // ltx::norm_cuda, for norm_forward.cu and the tuning harness benchmarks/norm_variants.cu.
+// The measurements behind the launch constants, and the alternatives they beat, are rows
+// of docs/decisions.md.
 #pragma once
 
 #include "cuda_common.cuh"
@@ -13,63 +15,26 @@
 
 namespace ltx::norm_cuda {
 
-// 16-byte vectors each thread keeps in registers between the reduction and the write.
-// Four loads in flight per thread cover DRAM latency, and 4 x 16 B of registers keep a
-// 1024-thread block under its 64 registers per thread. Rows of more than
-// max_block * 4 vectors re-read the rest, which then comes from L2.
+// What an instantiation fuses around the norm (unused operands compile away):
+// RESIDUAL, a residual (+ gate) add before the norm with the sum stored; MODULATE,
+// * (1 + scale) + shift after it. The plain norm fits 64 registers, so it may use
+// 1024-thread blocks (bf16 rows up to D = 32768 stay in registers); fused variants
+// need more registers: 512 threads, 128 registers.
+constexpr int max_block(bool residual, bool modulate) { return residual || modulate ? 512 : 1024; }
+
+// Vectors a thread caches from the reduction to the write, by launch:
+//   1  residual rows of up to kOneVecThreads vectors, at two or more rows per SM;
+//   2  rows without a residual of up to 2 * kTwoVecThreads vectors, at few rows per SM;
+//   4  (kCachedVecs) everything else, re-reading what does not fit (from L2);
+//   8  (kWideCachedVecs) plain RMSNorm rows too wide for four, in rms_norm_wide_row_kernel.
+
+// Four loads in flight cover DRAM latency, and 4 x 16 B keep 1024 threads within 64 registers.
 constexpr int kCachedVecs = 4;
-// Plain RMSNorm rows too wide for four vectors a thread on two blocks per SM (over
-// kCachedVecs * kTwoVecThreads vectors at two or more rows per SM, kCachedVecs * 1024 below;
-// at most 8192: D <= 65536 in 16 bits, 32768 in fp32) keep eight vectors a thread, the
-// whole row in registers, in rms_norm_wide_row_kernel: 512 threads a row up to 4096
-// vectors (two blocks per SM), 1024 above. Four vectors took them on 1024 threads, one
-// block per SM, re-reading past 4096 vectors from L2. H200, one build, with a weight, us:
-// four vectors / the general kernel at eight / rms_norm_wide_row_kernel (compile): bf16
-// 8192x65536 687-693 / 581-587 / 523-537 (743), fp16 8192x65536 672-679 / 578-584 /
-// 554-555 (740), fp32 8192x32768 656-668 / 552-569 / 518-526 (505), bf16 8192x32768
-// 293-295 / 268-269 / 265 (261), fp32 8192x16384 273-274 / 266-267 / 264-265 (256), bf16
-// 8192x24576 244 / 218 / 198 (192), bf16 128x65536 13.3 / 13.3 / 12.3 (17.7). Eight
-// vectors on 256 threads lost at 2048 vectors: fp32 32768x8192 516-522 / 531-536 us, bf16
-// 8192x16384 134-135 / 135-137. The Llama order's weight multiply in 16-bit pairs
-// (mul_rounded), against conversions to fp32 and back, two runs each: fp16 8192x65536
-// 553.7-562.7 -> 522.9-527.4 us (quack 518.3), bf16 531.4-531.9 -> 522.4-527.6 (quack
-// 521.2). A row over a cluster of 2-16 blocks, each staging its slice in shared memory
-// with cp.async (quack's layout), took 0.97-1.02x this kernel's time at 16 bits: dropped.
-constexpr int kWideCachedVecs = 8;
-// Weight vectors the wide row kernel loads ahead of its writes: bf16 8192x65536 548-562 us
-// at one, 523-537 at two; four spill in 16 bits.
-constexpr int kWideWeightAhead = 2;
-// Rows of up to kWideStagedVecs more vectors a thread (16384 vectors: D = 65536 in fp32,
-// 131072 in 16 bits) keep the rest in dynamic shared memory, up to 128 KB a block, where
-// the device grants it (sm_80 and sm_90 all of it; sm_86 and sm_89 99 KB, rows up to 14520
-// vectors; no cp.async on sm_75): the whole row stays on its SM. Rows the device cannot
-// stage keep four vectors and the re-read. Four vectors re-read past 4096 from L2:
-// fp32 8192x65536 1527-1548 us (66% of copy; compile 1557).
-constexpr int kWideStagedVecs = 8;
-// Only where the weight and output are of the input's type (16-byte vectors): with an fp32
-// weight or output of a 16-bit input (32-byte vectors) the general kernel at eight vectors
-// spilled. Such rows keep four vectors.
-template <typename T, typename W, typename O>
-constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
-// The residual variants load two or three vectors (input, residual, gate) per vector they
-// cache and store the sum: at four vectors a thread they take 62-64 registers (sm_90), so
-// few rows are resident. Rows of at most kOneVecThreads vectors (D <= 2048 in 16 bits,
-// 1024 in fp32) take one vector a thread instead, at most 48 registers (kOneVecMinBlocks
-// blocks per SM; 32 without a weight, below), their write operands loaded before the
-// reduction. H200, bf16, sweeps of one build (four vectors / one): gated_residual_adaln
-// rms [2,2688,2048] 31.4 / 28.4 us, [2,21504,2048] 199.2 / 196.9 us; gated_residual
-// [2,2688,2048] 18.7 / 18.0 us, fused_add_rms_norm 8192x2048 40.7 / 39.3 us. Rows without
-// a residual were slower so (adaln rms [2,21504,2048] 94 -> 137 us, rms_norm 5376x2048
-// 13.2 -> 15.9 us).
+// Residual rows: at four vectors they take 62-64 registers (sm_90), at one at most 48
+// (docs/decisions.md).
 constexpr int kOneVecThreads = 256;
-// Without a weight (AdaLN's modulate, the gated residual alone) a one-vector row fits 32
-// registers: eight blocks, a full SM of 2048 threads; the weighted fused add would spill
-// there and keeps kOneVecMinBlocks. H200, bf16, sweeps of one build, five blocks / eight:
-// gated_residual_adaln rms [2,2688,2048] 26.4 / 24.2 us (compile 25.3), [2,5376,2048]
-// 48.9 / 45.4, [2,21504,2048] 184.7 / 172.5 (compile 186.3). At five blocks LayerNorm's
-// one-vector rows, waiting at two barriers with no loads in flight, lost to four vectors
-// from 128 rows per SM ([2,21504,2048] 216.5 / 207.1 us); at eight they win at every
-// batch: four vectors / one, [2,10752,2048] 95.7 / 89.2 us, [2,21504,2048] 182.0 / 175.9.
+// Blocks per SM of one-vector rows: an unweighted row fits 32 registers, a full SM; the
+// weighted fused add would spill there (docs/decisions.md).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kOneVecMinBlocks = 4;  // sm_75 holds 1024 threads per SM (64 registers)
 constexpr int kOneVecUnweightedMinBlocks = 4;
@@ -77,34 +42,17 @@ constexpr int kOneVecUnweightedMinBlocks = 4;
 constexpr int kOneVecMinBlocks = 5;
 constexpr int kOneVecUnweightedMinBlocks = 8;
 #endif
-// Rows without a residual, of at most 2 * kTwoVecThreads vectors (D <= 8192 in 16 bits,
-// 4096 in fp32), take two vectors a thread below kTwoVecRowsPerSm rows per SM: twice the
-// threads a row of the four-vector launch has, each with its write operands (a weight of
-// 16-byte vectors: 16-bit, or fp32 with fp32 input) loaded before the reduction, in at
-// most 40 registers (1536 threads per SM). H200, one build, four vectors (one below two
-// rows per SM) / two: rms_norm bf16 128x4096 3.3 / 3.0 us, 1024x2048 5.5 / 4.5 us,
-// 4096x4096 20.5 / 19.7 us, 8192x4096 36.7 / 36.5 us; adaln rms [2,2688,2048] 16.6 / 14.9
-// us. From 64 rows per SM four are faster (rms_norm 32768x4096 134.6 / 137.9 us, adaln rms
-// [2,21504,2048] 89.3 / 99.9 us). Rows of 512 threads (D > 4096 in 16 bits, 2048 in fp32),
-// one build, four vectors / two: rms_norm bf16 128x8192 4.29 / 3.78 us (Liger 3.47),
-// 32x8192 3.61 / 3.02, 2048x8192 20.90 / 20.49, 4096x8192 37.18 / 38.14 (Liger 36.50);
-// fp32 128x4096 4.13 / 3.59 (Liger 3.27), 2048x4096 20.04 / 19.02, 4096x4096 36.54 / 35.36,
-// 8192x4096 69.17 / 68.70. The fp32 weight's preload, against the previous build: fp32
-// 1024x2048 6.62 -> 6.22 us (Liger 6.12), 128x2048 3.34 -> 2.82. An fp32 weight of a
-// 16-bit input (32-byte vectors) stays unloaded: 42-50 registers.
+// Two-vector rows: twice the threads a row of the four-vector launch has, in at most 40
+// registers (1536 threads per SM) with the write operands loaded before the reduction.
 constexpr int kTwoVecThreads = 512;
-// Plain fp32 norms' four-vector rows (many rows per SM) share blocks of this many threads
-// (two 256-thread rows at D = 4096). H200, one build, a block a row / 512 threads: rms_norm
-// fp32 32768x4096 267.0 / 262.9 us (compile 255.6), 32768x8192 516.0 / 515.4 (its rows fill
-// 512 threads); with the weight loaded with the row (kPreload below) 264.2-264.8 / 260.6-260.9.
-// Not for 16-bit rows or the fused variants, which it slowed: rms_norm bf16 32768x4096
-// 134.4 / 138.2 us (weight with the row: 133.0 / 134.4), adaln_rms [2,21504,2048] 87.6 /
-// 93.1, adaln_layer 88.2 / 98.9, fused_add_rms_norm bf16 8192x4096 70.1 / 76.0.
-constexpr int kFp32FourVecBlock = 512;
-constexpr int kTwoVecRowsPerSm = 64;
-// AdaLN RMS's scale and shift load with the two cached vectors on sm_90, in 16 bits (H200,
-// bf16, [2,2688,2048]: 15.0 -> 14.0 us, as Liger's); compiled for sm_80, the fp16 kernel
-// then spills at the 40-register bound, and so does the fp32 kernel on sm_90. `arch` is
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kTwoVecMinBlocks = 2;  // 1024 threads per SM
+#else
+constexpr int kTwoVecMinBlocks = 3;
+#endif
+
+// Whether AdaLN RMS's scale and shift load with the row (two vectors a thread): on sm_90 in
+// 16 bits only, where it fits the 40-register bound (docs/decisions.md). `arch` is
 // __CUDA_ARCH__ in the kernel and the device's compute capability x 100 on the host.
 template <typename T>
 __host__ __device__ constexpr bool modulated_preload(int arch, NormKind kind) {
@@ -115,39 +63,6 @@ constexpr int kDeviceArch = __CUDA_ARCH__;
 #else
 constexpr int kDeviceArch = 0;  // the host pass: no kernel body runs there
 #endif
-// Plain norms' rows of at most 128 vectors (D <= 1024 in 16 bits, 512 in fp32: per-head
-// and small models' norms) take two vectors a thread at any batch: the two-vector kernel's
-// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN
-// LayerNorm's only up to 16 vectors: wider, it lost so. H200, four vectors / two: rms_norm
-// bf16 648720x128 84.9 / 81.7 us, 162180x512 83.3 / 80.6, 81090x1024 84.8 / 81.7,
-// 163840x1024 168.4 / 162.1, fp32 81090x512 84.8 / 82.6; adaln rms [8,40544,128] 50.3 /
-// 46.2 (layer 51.3 / 51.4), layer [8,10136,1024] 92.0 / 97.2, [8,20272,512] 90.9 / 95.2.
-// AdaLN RMS's too where its scale and shift load with the row (`modulated_preload`), when
-// the row fills its threads (a power of two of vectors): [2,8192,1024] 21.3 / 18.7 us
-// (Liger 19.2), [8,10136,1024] 90.4 / 82.9 (Liger 84.9), [8,20272,512] 90.1 / 82.2; with 96
-// vectors, half the threads holding one, [2,16384,768] 29.2 / 31.5.
-constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_t nvec) {
-  if (!modulate) return nvec <= 128;
-  const bool fills_threads = (nvec & (nvec - 1)) == 0;
-  return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
-}
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
-constexpr int kTwoVecMinBlocks = 2;  // 1024 threads per SM
-#else
-constexpr int kTwoVecMinBlocks = 3;
-#endif
-
-// What an instantiation fuses around the norm (unused operands compile away):
-// RESIDUAL, a residual (+ gate) add before the norm with the sum stored; MODULATE,
-// * (1 + scale) + shift after it. The plain norm fits 64 registers, so it may use
-// 1024-thread blocks (bf16 rows up to D = 32768 stay in registers); fused variants
-// need more registers: 512 threads, 128 registers.
-constexpr int max_block(bool residual, bool modulate) { return residual || modulate ? 512 : 1024; }
-// Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
-// block of plain rows (0 when they fit in registers).
-inline std::size_t wide_staged_bytes(int64_t nvec) {
-  return static_cast<std::size_t>(std::max<int64_t>(nvec - kWideCachedVecs * max_block(false, false), 0)) * 16;
-}
 
 template <typename T, typename W, typename O>
 struct NormParams {
@@ -171,9 +86,8 @@ struct NormParams {
 
 // CACHED vectors a thread stay in registers; with one or two (the launches of
 // kOneVecThreads and kTwoVecThreads above), the row has at most CACHED * threads_per_row
-// vectors and nothing is re-read. A minimum of 0 blocks is none: an explicit 1 took the
-// four-vector residual kernels from 76-78 to 80-84 registers on sm_90 (gated_residual_adaln
-// [2,2688,2048] 31.4 -> 35.8 us).
+// vectors and nothing is re-read. A minimum of 0 blocks is none: an explicit 1 costs the
+// four-vector residual kernels registers (docs/decisions.md).
 constexpr int bound_threads(int cached, bool residual, bool modulate) {
   return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
 }
@@ -241,21 +155,16 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
 
   Vec<T, VEC> cached[CACHED];
   constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
-  // AdaLN takes no weight (launch asserts it): without the weight's registers the AdaLN
-  // kernel of four vectors a thread held 62-63 registers, not 69-72 (sm_90; H200, bf16,
-  // bench_ops runs before and after: adaln rms [2,21504,2048] 103.0 -> 91.6 us, layer
-  // 113.2 -> 99.5 us, rms [2,2688,2048] 17.8 -> 16.8 us).
+  // AdaLN takes no weight (launch asserts it): without the weight's registers its
+  // four-vector kernel holds 62-63 registers, not 69-72 (sm_90; docs/decisions.md).
   constexpr bool kWeighted = writes_weight(KIND, MODULATE);
   const bool weighted = kWeighted && p.weight != nullptr;
   // One vector a thread, two or, in plain RMSNorm, four with a weight of 16-byte vectors (or,
   // on sm_90, AdaLN RMS's 16-bit scale and shift): the write operands of the cached vectors
   // load with them, so that their latency overlaps the row's rather than following the
   // reduction. Loaded in the write phase, each weight load waits on the previous store (the
-  // output may alias the weight): four L2 round trips after the barrier on sm_90. H200,
-  // rms_norm, one build, as then / loaded with the row: bf16 32768x4096 134.8 / 133.0 us,
-  // 32768x8192 267.6 / 264.5, 8192x16384 138.2 / 134.5, 16384x4096 69.3 / 67.6; fp32
-  // 32768x4096 262.1 / 260.8 (at 512-thread blocks), 32768x8192 515.4 / 513.8. Loading them
-  // all after the barrier, before the first store, was no faster (fp32 20% slower).
+  // output may alias the weight): four L2 round trips after the barrier on sm_90
+  // (docs/decisions.md).
   constexpr bool kPreload =
       CACHED == 1 ||
       (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) || (kWeighted && VEC * sizeof(W) == 16))) ||
@@ -400,14 +309,9 @@ bool vectorizable(const NormArgs& a) {
 // Plain RMSNorm rows (a weight; no residual, AdaLN or statistics) of the two-vector
 // launch with a block each: a kernel of their own, its operands restricted pointers (the
 // row and the weight load by the read-only path) and the Llama order's rounding a template
-// flag, where the general kernel tests its options at run time. H200, one build, the
-// general kernel / this one, us: rms_norm bf16 128x4096 2.95 / 2.57 (Liger 2.67), 32x8192
-// 2.90 / 2.57 (2.80), 128x8192 3.63 / 3.25 (3.47), 1024x2048 4.32 / 4.02 (4.19), 2048x8192
-// 19.63 / 19.38 (19.93), 8192x8192 70.86 / 68.73 (70.67); Llama order 128x4096 2.94 /
-// 2.72, with its weight multiply in 16-bit pairs (mul_rounded) 2.7 -> 2.5 (1024x2048 4.1
-// -> 4.0, 4096x4096 18.8 -> 18.4); fp32 weight 3.41 / 2.74; fp32 128x4096 3.47 / 3.30
-// (3.24). In place (out == input) stays correct despite __restrict__: a block reads all of
-// its row before the reduction's barrier and writes it after.
+// flag, where the general kernel tests its options at run time (docs/decisions.md). In
+// place (out == input) stays correct despite __restrict__: a block reads all of its row
+// before the reduction's barrier and writes it after.
 template <typename T, typename W, typename O, int VEC, bool CAST>
 __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
     rms_norm_row_kernel(const T* __restrict__ input, const W* __restrict__ weight, O* __restrict__ out,
@@ -433,8 +337,7 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   for (int j = 0; j < VEC; ++j) sum_sq += f1[j] * f1[j];
   // Without the rounding, the row takes its weight before the reduction: x * w * rstd in
   // the registers x held, and the weight's loads issue before the barrier. Used after it,
-  // ptxas sinks them past it, onto the row's latency path (128x4096 bf16: 2.72 us, 2.68
-  // with a weight offset, against 2.57 and 2.55).
+  // ptxas sinks them past it, onto the row's latency path (docs/decisions.md).
   auto weigh = [&](float (&f)[VEC], const Vec<W, VEC>& w) {
     float wf[VEC];
     to_floats(w, wf);
@@ -459,6 +362,27 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   };
   if (has0) write(f0, w0, i0);
   if (has1) write(f1, w1, i1);
+}
+
+// Eight keep a row of up to 8192 vectors in registers, where four re-read its tail
+// (docs/decisions.md).
+constexpr int kWideCachedVecs = 8;
+// Weight vectors the wide row kernel loads ahead of its writes: four spill in 16 bits
+// (docs/decisions.md).
+constexpr int kWideWeightAhead = 2;
+// Further vectors a thread of a wide row stages in dynamic shared memory (up to 128 KB a
+// block: all of it on sm_80 and sm_90, 99 KB on sm_86 and sm_89, none on sm_75, which has
+// no cp.async): the whole row stays on its SM. Rows the device cannot stage keep four
+// vectors and re-read their tail (docs/decisions.md).
+constexpr int kWideStagedVecs = 8;
+// Wide rows only where the weight and output are of the input's type: with 32-byte vectors of
+// an fp32 weight or output, eight vectors a thread spill.
+template <typename T, typename W, typename O>
+constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
+// Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
+// block of plain rows (0 when they fit in registers).
+inline std::size_t wide_staged_bytes(int64_t nvec) {
+  return static_cast<std::size_t>(std::max<int64_t>(nvec - kWideCachedVecs * max_block(false, false), 0)) * 16;
 }
 
 // Plain RMSNorm's wide rows (kWideCachedVecs), a block a row, with a weight of the input's
@@ -516,7 +440,7 @@ __global__ void __launch_bounds__(max_block(false, false))
   T* y = out + blockIdx.x * out_stride;
   // PAIRED: the Llama order without a weight offset multiplies the rounded row by the weight
   // in 16-bit pairs (mul_rounded: the same result, the write in three instructions an
-  // element instead of six, sm_90 SASS). H200: see kWideCachedVecs.
+  // element instead of six, sm_90 SASS; docs/decisions.md).
   const auto write_row = [&](auto paired) {
     constexpr bool PAIRED = decltype(paired)::value;
 #pragma unroll
@@ -601,6 +525,23 @@ void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& 
   check_launch();
 }
 
+// From this many rows per SM, four vectors a thread beat two (docs/decisions.md).
+constexpr int kTwoVecRowsPerSm = 64;
+// Rows of at most 128 vectors (D <= 1024 in 16 bits) take two vectors a thread at any batch:
+// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN only up
+// to 16 vectors, or up to 128 where its scale and shift preload and the row fills its threads
+// (a power of two of vectors) (docs/decisions.md).
+constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_t nvec) {
+  if (!modulate) return nvec <= 128;
+  const bool fills_threads = (nvec & (nvec - 1)) == 0;
+  return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
+}
+// Plain fp32 rows of four vectors share blocks of this many threads; 16-bit and fused rows
+// were slower so (docs/decisions.md).
+constexpr int kFp32FourVecBlock = 512;
+
+// The production launch of norm_kernel's instantiation <KIND, RESIDUAL, MODULATE>, or of
+// the plain RMSNorm row kernels.
 template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE>
 void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
@@ -628,8 +569,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
   // vector per thread of the four-vector kernel spreads each row over more threads
-  // (128x16384 bf16 takes 1024-thread rows; large batches want four: 36 us against 70 us
-  // at 8192x4096).
+  // (128x16384 bf16 takes 1024-thread rows); large batches want four (docs/decisions.md).
   const int per_thread = cached == kCachedVecs && !many_rows ? 1 : cached;
   const bool fp32_four_vec_rows = !RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs;
   const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE),

@@ -26,9 +26,8 @@ struct QkNormRopeParams {
 
 constexpr int kQkCachedVecs = 4;  // the whole row stays in registers (C bounded in rope.h)
 constexpr int kQkMaxBlock = 512;  // fp32 tables need more than the 64 registers of 1024 threads
-// Rows of 64 or 128 threads (C = 2048 or 4096 in 16 bits) share 256-thread blocks. H200,
-// one build, a block a row / 256 threads / 512: LTX [2,21504,2048] 351.0 / 329.9 / 335.1
-// us, [2,2688,2048] 45.7 / 45.7 / 46.8.
+// Rows of 64 or 128 threads (C = 2048 or 4096 in 16 bits) share 256-thread blocks: fewer
+// blocks a row or 512 threads were slower (docs/decisions.md).
 constexpr int kQkSharedRowsBlock = 256;
 
 // One (tensor, b, s) row per threads_per_row threads: RMSNorm in fp32, weight, rounding to

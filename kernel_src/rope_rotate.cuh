@@ -185,7 +185,8 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
     }
   }
   // Channels past the rotary dim pass through (nothing to do in place). Most models rotate
-  // every channel: return before the loop, whose per-head pointer set-up alone cost ~8%.
+  // every channel: return before the loop rather than set up its per-head pointers for
+  // nothing (docs/decisions.md).
   if (p.rotary_dim == p.head_dim) return;
   for (int h = blockIdx.y * blockDim.y + threadIdx.y; h < heads; h += gridDim.y * blockDim.y) {
     const T* in = rows.in(h);
@@ -248,17 +249,15 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   if constexpr (INTERLEAVED) {
     // Two heads per thread: LTX's q and k read their [B, S, C] fp32 tables (half the
-    // bytes it moves) once; 1.04x faster than one head on the H200.
+    // bytes it moves) once, where one head a thread read them twice (docs/decisions.md).
     if (vectorizable<T, C, V>(a)) return launch_with<T, C, true, V, 2>(a, stream);
     return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned
   } else {
     // 8-byte units of two heads each: a thread has 32 bytes of heads in flight and
     // converts its two table vectors once for both. Few tokens spread their heads over
     // four blocks (over more SMs). Head counts that are multiples of two take whole groups.
-    // H200, bf16, in a harness beside the lean kernels (benchmarks/rope_variants.py):
-    // four-head units took q[1,32,8192,128] 44.7 us where two-head ones take 43.8; with
-    // four blocks, q[1,32,128,128] 2.80 us against 3.12 (16-byte units of one head over
-    // two blocks), q,k[1,32,16,128] 2.29 against 2.61. fp32 takes the same 8-byte units.
+    // Four-head units and 16-byte units of one head were slower (benchmarks/rope_variants.py,
+    // docs/decisions.md). fp32 takes the same 8-byte units.
     constexpr int kHalfVec = V / 2;
     if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
     const int head_blocks = two_rows_per_sm(a.batch * a.seq, a.device.index()) ? 1 : 4;
