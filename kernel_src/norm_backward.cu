@@ -46,10 +46,10 @@ constexpr bool kBwdModulatedFirstRowEarly = true;
 #endif
 // Values one row reduction of the backward sums at most (LayerNorm's).
 constexpr int kBwdRowSums = 3;
-// Column grads summed in shared memory: the weight's or scale's, AdaLN's shift, and
-// (gated) the gate's.
-__host__ __device__ constexpr int bwd_accs(NormKind kind, bool modulate, bool gated) {
-  return gated ? 3 : modulate && kind != NormKind::kNone ? 2 : 1;
+// Column grads summed in shared memory: the weight's, scale's or (the gated residual alone)
+// gate's, AdaLN's shift, and (gated) the gate's.
+__host__ __device__ constexpr int bwd_accs(bool normed, bool modulate, bool gated) {
+  return gated ? 3 : modulate && normed ? 2 : 1;
 }
 // Threads on one row slice: two or three column accumulators take half as many, so that a
 // block of one row slice takes at most 36 KB of shared memory with two, 51 KB with three
@@ -80,7 +80,7 @@ struct NormBwdParams {
   int64_t group_rows;
   int64_t input_stride, grad_out_stride, grad_extra_stride;
   int cols;
-  float eps, inv_cols, weight_offset;
+  float eps, inv_cols, factor_offset;
   bool cast_before_weight;
   // More than 1: the row's slices are the blocks of one cluster, which add their row sums
   // through each other's shared memory (sm_90) rather than each reading the whole row.
@@ -123,7 +123,9 @@ __device__ __forceinline__ void add_cluster_sums(float (&v)[N], float* mine, int
   for (int j = 0; j < N; ++j) v[j] = group_sum(lane < blocks ? load_cluster_shared(mine + j, lane) : 0.f, 32);
 }
 
-template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool GATED>
+// NORMED: the row was normalised; without it (the gated residual alone) n = x, dx = dy * g
+// and KIND is unused.
+template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool GATED, bool NORMED>
 __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
   // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, (AdaLN) dy and
@@ -132,10 +134,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   float* column_acc = reinterpret_cast<float*>(column_acc_storage);
   __shared__ float scratch[kBwdRowSums][32];
   __shared__ float cluster_sums[2][kBwdRowSums];
-  constexpr int kAccs = bwd_accs(KIND, MODULATE, GATED);
+  constexpr int kAccs = bwd_accs(NORMED, MODULATE, GATED);
   constexpr int kVecs = bwd_vecs(VEC, sizeof(G), kAccs);
   constexpr bool kLayer = KIND == NormKind::kLayer;
-  constexpr bool kNormed = KIND != NormKind::kNone;  // kNone: n = x, dx = dy * g
   const int rows_per_block = blockDim.x / threads_per_row;
   const int row_in_block = threadIdx.x / threads_per_row;
   const int t = threadIdx.x % threads_per_row;
@@ -189,17 +190,17 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     }
   }
 
-  // The factor g at vector i: weight_offset + weight, weight_offset + scale (scale_row:
+  // The factor g at vector i: factor_offset + weight, factor_offset + scale (scale_row:
   // the row's scale), or 1.
   auto load_factor = [&](const T* scale_row, int i, float (&f)[VEC]) {
     if constexpr (MODULATE) {
       to_floats(load_vec<T, VEC>(scale_row, i), f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] += p.weight_offset;
+      for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
     } else if (p.weight != nullptr) {
       to_floats(load_vec<W, VEC>(p.weight, i), f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] += p.weight_offset;
+      for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] = 1.f;
@@ -273,8 +274,8 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
     // gated residual alone (no row sums) and rows within a warp were slower with it, and so
     // was a prefetch two rows ahead (docs/decisions.md).
     const int64_t next = base + row_step + row_in_block;
-    constexpr bool kMayHaveStats = kNormed && MODULATE;
-    if (kNormed && threads_per_row > 32 && next < p.group_rows) {
+    constexpr bool kMayHaveStats = NORMED && MODULATE;
+    if (NORMED && threads_per_row > 32 && next < p.group_rows) {
       const int first_col = slice * slice_cols, cols = min(slice_cols, p.cols - first_col);
       const int64_t next_r = group_first + next;
       prefetch_l2(p.input + next_r * p.input_stride + first_col, cols * sizeof(T), t, threads_per_row);
@@ -336,7 +337,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       if constexpr (kLayer) s[0] = fmaf(-mean, s[1], s[0]);
       mean_dn_n = s[0] * rstd * p.inv_cols;
       mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
-    } else if constexpr (kNormed) {
+    } else if constexpr (NORMED) {
       if constexpr (kLayer) {
         float s[1] = {0.f};
         for_row([&](const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
@@ -402,9 +403,9 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float dn = df[j] * own_factor[k][j];
-          normed[j] = !kNormed ? xf[j] : kLayer ? fmaf(xf[j], rstd, neg_mean_rstd) : xf[j] * rstd;
-          // kNone takes dn as is: an infinite x times a zero mean_dn_n would make it NaN.
-          g[j] = !kNormed ? dn
+          normed[j] = !NORMED ? xf[j] : kLayer ? fmaf(xf[j], rstd, neg_mean_rstd) : xf[j] * rstd;
+          // Without a norm, dn as is: an infinite x times a zero mean_dn_n would make it NaN.
+          g[j] = !NORMED ? dn
                  : kLayer  ? fmaf(-normed[j], dn_scale, fmaf(dn, rstd, neg_mean_dn))
                            : rstd * (dn - normed[j] * mean_dn_n);
           if constexpr (decltype(add_extra)::value) g[j] += ex[j];
@@ -538,7 +539,7 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
   }
 }
 
-template <typename T, typename W, typename G, NormKind KIND, bool MODULATE, bool GATED = false>
+template <typename T, typename W, typename G, NormKind KIND, bool MODULATE, bool GATED = false, bool NORMED = true>
 void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   auto ok_ptr = [](const void* ptr, std::size_t bytes) { return ptr == nullptr || aligned_to(ptr, bytes); };
@@ -553,7 +554,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                       ok_ptr(a.gate_input, tb) && ok_ptr(a.gate_input_grad, tb) && ok_ptr(a.gate_rows, tb);
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
-  constexpr int accs = bwd_accs(KIND, MODULATE, GATED);
+  constexpr int accs = bwd_accs(NORMED, MODULATE, GATED);
   const int vecs_per_thread = bwd_vecs(vec, sizeof(G), accs);
   const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(accs));
   const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
@@ -561,8 +562,8 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int device = a.device.index();
   const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr || a.gate_sums != nullptr;
   const std::size_t thread_shared = sums ? bwd_thread_floats(vec, sizeof(G), accs) * sizeof(float) : 0;
-  const auto kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED>
-                             : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED>;
+  const auto kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED>
+                             : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED>;
   // Every block writes a partial row per column grad, which column_sum_kernel reads back.
   // With column sums, rows of 64 threads share a block, up to four at a time, for a quarter
   // of those partial rows, as long as as many threads stay resident per SM (16-bit AdaLN's
@@ -596,8 +597,8 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   // later (the cluster helpers; max_active_clusters says 0 otherwise), its slices form a
   // cluster (up to the portable 8) and exchange their row sums, so that each block reads
   // only its own slice (else each reads the whole row for the sums, and the wider the row
-  // the more it re-reads). The gated residual takes no row sums.
-  bool clustered = KIND != NormKind::kNone && slices > 1 && slices <= 8 &&
+  // the more it re-reads). The gated residual alone takes no row sums.
+  bool clustered = NORMED && slices > 1 && slices <= 8 &&
                    device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
   if (clustered) {
     TORCH_INTERNAL_ASSERT(rows_per_block == 1, "norm backward: a cluster's blocks hold one row each");
@@ -648,7 +649,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  a.gate_input_stride,
                                  a.scale.batch_stride, a.scale.token_stride, a.group_rows,
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
-                                 a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight,
+                                 a.eps, a.inv_cols, a.factor_offset, a.cast_before_weight,
                                  clustered ? slices : 1};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
   if (clustered) {
@@ -689,17 +690,18 @@ void run_norm_backward_cuda(const NormBackwardArgs& a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
     using T = scalar_t;
+    if (!a.normed) {  // the gated residual alone: the gate as the scale, no norm (KIND unused)
+      TORCH_INTERNAL_ASSERT(a.scale.ptr != nullptr && a.gate.ptr == nullptr);
+      return launch_backward<T, T, T, NormKind::kRms, true, false, /*NORMED=*/false>(a, stream);
+    }
     if (a.gate.ptr != nullptr) {  // the gated residual, then AdaLN
-      TORCH_INTERNAL_ASSERT(a.kind != NormKind::kNone && a.scale.ptr != nullptr);
+      TORCH_INTERNAL_ASSERT(a.scale.ptr != nullptr);
       return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true, true>(a, stream)
                                         : launch_backward<T, T, T, NormKind::kRms, true, true>(a, stream);
     }
-    if (a.scale.ptr != nullptr) {  // AdaLN, or the gated residual (kNone)
-      switch (a.kind) {
-        case NormKind::kLayer: return launch_backward<T, T, T, NormKind::kLayer, true>(a, stream);
-        case NormKind::kRms: return launch_backward<T, T, T, NormKind::kRms, true>(a, stream);
-        case NormKind::kNone: return launch_backward<T, T, T, NormKind::kNone, true>(a, stream);
-      }
+    if (a.scale.ptr != nullptr) {  // AdaLN
+      return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true>(a, stream)
+                                        : launch_backward<T, T, T, NormKind::kRms, true>(a, stream);
     }
     with_weight_types<T>(a.weight_fp32, a.grad_fp32, [&](auto w, auto g) {
       launch_backward<T, typename decltype(w)::type, typename decltype(g)::type, NormKind::kRms, false>(a, stream);

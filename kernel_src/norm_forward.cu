@@ -11,7 +11,9 @@ void run_norm_cuda(const NormArgs& a) {
   const bool residual = a.residual != nullptr;
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm", [&] {
     using T = scalar_t;
-    if (a.kind == NormKind::kNone) return launch<T, T, T, NormKind::kNone, true, false>(a, stream);
+    if (!a.normed) {  // the gated residual alone: the residual add, no norm (KIND unused)
+      return launch<T, T, T, NormKind::kRms, true, false, /*NORMED=*/false>(a, stream);
+    }
     if (a.scale.ptr != nullptr) {  // AdaLN, after a gated residual or not
       if (a.kind == NormKind::kLayer) {
         return residual ? launch<T, T, T, NormKind::kLayer, true, true>(a, stream)

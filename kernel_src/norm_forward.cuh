@@ -66,7 +66,7 @@ constexpr int kDeviceArch = 0;  // the host pass: no kernel body runs there
 
 template <typename T, typename W, typename O>
 struct NormParams {
-  O* out;             // [rows, cols], rows out_stride apart; nullptr for kNone
+  O* out;             // [rows, cols], rows out_stride apart; nullptr without a norm
   T* residual_out;    // [rows, cols] or nullptr
   float2* stats;      // [rows] (mean, rstd) or nullptr
   const T* input;     // [rows, cols]
@@ -92,16 +92,20 @@ constexpr int bound_threads(int cached, bool residual, bool modulate) {
   return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
 }
 // Whether an instantiation's write takes a weight: AdaLN has none, and the gated residual
-// alone (kNone) stops after the row's sum. Without one, a one-vector row fits 32 registers.
-__host__ __device__ constexpr bool writes_weight(NormKind kind, bool modulate) { return !modulate && kind != NormKind::kNone; }
+// alone (not NORMED) stops after the row's sum. Without one, a one-vector row fits 32
+// registers.
+__host__ __device__ constexpr bool writes_weight(bool normed, bool modulate) { return !modulate && normed; }
 constexpr int bound_min_blocks(int cached, bool weighted) {
   if (cached == 1) return weighted ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
   return cached == 2 ? kTwoVecMinBlocks : 0;
 }
 
-template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
+// NORMED: the norm follows the residual add; without it (the gated residual alone) the row
+// stops at residual_out and KIND is unused.
+template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE,
+          bool NORMED = true>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
-                                  bound_min_blocks(CACHED, writes_weight(KIND, MODULATE)))
+                                  bound_min_blocks(CACHED, writes_weight(NORMED, MODULATE)))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
   // AdaLN takes no weight (launch asserts it): without the weight's registers its
   // four-vector kernel holds 62-63 registers, not 69-72 (sm_90; docs/decisions.md).
-  constexpr bool kWeighted = writes_weight(KIND, MODULATE);
+  constexpr bool kWeighted = writes_weight(NORMED, MODULATE);
   const bool weighted = kWeighted && p.weight != nullptr;
   // One vector a thread, two or, in plain RMSNorm, four with a weight of 16-byte vectors (or,
   // on sm_90, AdaLN RMS's 16-bit scale and shift): the write operands of the cached vectors
@@ -201,8 +205,8 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
     acc += sum_of(load_row(i), 0.f, kSquareFirst);
   }
-  if constexpr (KIND == NormKind::kNone) {
-    return;
+  if constexpr (!NORMED) {
+    return;  // the gated residual alone: residual_out is the result
   } else {
     float mean = 0.f;
     float sum_sq = row_sum(acc, threads_per_row, scratch[0]);
@@ -540,9 +544,9 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
 // were slower so (docs/decisions.md).
 constexpr int kFp32FourVecBlock = 512;
 
-// The production launch of norm_kernel's instantiation <KIND, RESIDUAL, MODULATE>, or of
-// the plain RMSNorm row kernels.
-template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE>
+// The production launch of norm_kernel's instantiation <KIND, RESIDUAL, MODULATE, NORMED>,
+// or of the plain RMSNorm row kernels.
+template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE, bool NORMED = true>
 void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   const bool vector = vectorizable<T, W, O, V>(a);
@@ -583,14 +587,14 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
   const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
   if constexpr (RESIDUAL) {
-    if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
+    if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE, NORMED>);
   } else {
-    if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
+    if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE, NORMED>);
   }
   if (vector) {
-    run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE>);
+    run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE, NORMED>);
   } else {
-    run(norm_kernel<T, W, O, 1, kCachedVecs, KIND, RESIDUAL, MODULATE>);
+    run(norm_kernel<T, W, O, 1, kCachedVecs, KIND, RESIDUAL, MODULATE, NORMED>);
   }
 }
 
