@@ -1,18 +1,20 @@
 // Candidate launches of plain RMSNorm rows (no residual, no AdaLN; a weight of the input's
-// dtype or none) beside the production one, in one translation unit with norm.cu (the same
-// compiler flags and kernels), as a torch op library:
+// dtype or none) beside the production one, built on norm_forward.cuh (the kernels and
+// launch code norm_forward.cu runs), as a torch op library:
 //   torch.ops.norm_variants.run(x, weight, out, eps, cast_before_weight, cached, block)
 // cached = 0 is `launch` (what the package runs). Otherwise `norm_kernel` with `cached`
 // 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
 // covers it, and rows sharing blocks of `block` threads (0: a block a row). The kernels'
 // register bounds are production's (bound_threads, bound_min_blocks): a variant tunes the
 // launch, not the kernel. norm_variants.py builds and times them.
-#include "norm.cu"
+#include "norm_forward.cuh"
 
 #include <torch/library.h>
 
 namespace ltx {
 namespace norm_variants {
+
+using namespace norm_cuda;
 
 template <typename T, int CACHED>
 void launch_variant(const NormArgs& a, cudaStream_t stream, int block) {

@@ -9,8 +9,8 @@ and each variant's max error against fp64 next to production's.
 A variant is CACHED/BLOCK: 16-byte vectors a thread of `norm_kernel` (0: the package's
 launch) and the threads of a block that rows share (0: a block a row). The .cu is built with
 nvcc against this python's torch into .build-cache/norm_variants (sm of the GPU only) and
-loaded as a torch op library. Tune a launch here, then port the winner into norm.cu's
-`launch` and confirm it with bench_ops.py on the package build.
+loaded as a torch op library. Tune a launch here, then port the winner into
+norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package build.
 """
 
 import argparse

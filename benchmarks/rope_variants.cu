@@ -1,16 +1,18 @@
-// Candidate launches of rotate-half RoPE beside the production one, in one translation
-// unit with rope.cu (so the same compiler flags and helpers), as a torch op library:
+// Candidate launches of rotate-half RoPE beside the production one, built on
+// rope_rotate.cuh (the kernel, helpers and launch rope.cu runs), as a torch op library:
 //   torch.ops.rope_variants.run(q, k, cos, sin, q_out, k_out, variant, head_blocks)
 // q and k are [B, H, S, D] (views), cos and sin [S, D] or [B, S, D] in q's dtype; forward
 // only. Variant 0 is `launch` (what the package runs); the others run `variant_kernel`, a
 // lean whole-groups kernel: aligned 8- or 16-byte units, head counts that are multiples of
 // HEADS, every channel rotating, no pass-through. rope_variants.py builds and times them.
-#include "rope.cu"
+#include "rope_rotate.cuh"
 
 #include <torch/library.h>
 
 namespace ltx {
 namespace rope_variants {
+
+using namespace rope_cuda;
 
 // HALF_TABLE reads only the tables' left half (Liger's assumption: the halves are equal),
 // to price the bytes it saves; TOKENS tokens share a block.

@@ -9,7 +9,7 @@ too: the tables' halves are equal here, as in transformers').
 A variant is NUMBER/HEAD_BLOCKS (blocks a token's heads are spread over). The .cu is built
 with nvcc against this python's torch into .build-cache/rope_variants (about 30 s, sm of the
 GPU only) and loaded as a torch op library. Tune a launch here, then port the winner into
-rope.cu and confirm it with bench_ops.py on the package build.
+rope_rotate.cuh and confirm it with bench_ops.py on the package build.
 """
 
 import argparse

@@ -1,5 +1,5 @@
 """What the launch-variants harnesses share (rope_variants.py, norm_variants.py): building
-their .cu (which includes a kernel_src/ .cu and registers a torch op library) with nvcc
+their .cu (which includes a kernel_src/ .cuh and registers a torch op library) with nvcc
 against this python's torch, as a shared library to load or (check_only) a cubin that
 proves it compiles; and timing the candidates side by side."""
 

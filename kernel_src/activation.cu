@@ -45,7 +45,8 @@ __device__ __forceinline__ void activation_vec(const ActivationParams<T>& p, int
 }
 
 // Threads tile [rows, vecs]: threadIdx.x walks a row's vectors, threadIdx.y its rows, so
-// no thread divides an index (a 64-bit division cost ~8% of the H200's bandwidth here).
+// no thread divides an index (a 64-bit division per element cost bandwidth:
+// docs/decisions.md).
 template <typename T, int VEC, Gelu GELU, bool HAS_UP, bool BACKWARD>
 __global__ void __launch_bounds__(kBlock) activation_kernel(const ActivationParams<T> p) {
   const int col = blockIdx.x * blockDim.x + threadIdx.x;

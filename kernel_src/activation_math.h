@@ -29,12 +29,12 @@ constexpr float kHalfLog2e = 0.72134752044448170f;  // log2(e) / 2: e^(-x^2/2) =
 // Phi(-t) = 2^(-kHalfLog2e t^2 + Q(t)) with Q = log2(erfcx(t / sqrt 2) / 2) smooth enough
 // for one polynomial on [0, 6] (tools/fit_normal_cdf.py): eleven FMAs and one exp2, no
 // branch. erff evaluates its two pieces' polynomials behind a select per coefficient, and
-// left the erf GELU kernels compute-bound on the H200 (geglu [8192, 2x5120] 70.6 us, the
-// tanh form 60.8 us). Relative error in fp32: under 5e-7 for x > -1, 3.5e-6 down to x = -6
-// (1 + erff loses it to cancellation there: 5e-4 near x = -4). Past |x| = 6, Q stays at
-// Q(6), which overestimates Phi(-t) (below 1e-9 there), while the t^2 term still takes it
-// to 0. The multiply-adds are written plainly: nvcc contracts them to FMAs, where std::fma
-// is a software routine on a host compiled without FMA (a 7x slower CPU twin).
+// left the erf GELU kernels compute-bound (docs/decisions.md). Relative error in fp32:
+// under 5e-7 for x > -1, 3.5e-6 down to x = -6 (1 + erff loses it to cancellation there:
+// 5e-4 near x = -4). Past |x| = 6, Q stays at Q(6), which overestimates Phi(-t) (below
+// 1e-9 there), while the t^2 term still takes it to 0. The multiply-adds are written
+// plainly: nvcc contracts them to FMAs, where std::fma is a software routine on a host
+// compiled without FMA (a 7x slower CPU twin).
 LTX_HOST_DEVICE float normal_cdf(float x) {
   constexpr float kQ[] = {-9.999996424e-01f, -1.151119351e+00f, 2.622302771e-01f,  -5.271166191e-02f,
                           7.299972698e-03f,  -2.607100469e-04f, -1.642475836e-04f, 4.527329293e-05f,

@@ -21,7 +21,7 @@
 
 namespace ltx {
 
-enum class NormKind { kRms, kLayer, kNone };
+enum class NormKind { kRms, kLayer };
 
 // A [B or 1, S or 1, D] operand read per row: row r = (b, s) reads
 // ptr + b * batch_stride + s * token_stride + [0, D). Broadcast dims have stride 0.
@@ -33,12 +33,13 @@ struct Modulation {
 
 struct NormArgs {
   NormKind kind = NormKind::kRms;
+  bool normed = true;  // false: the gated residual alone, no norm after the add (out nullptr)
   at::ScalarType dtype = at::kFloat;  // input, residual, gate, scale, shift, residual_out
   bool weight_fp32 = false;           // weight is fp32 while the input is fp16/bf16
   bool out_fp32 = false;              // out is fp32 while the input is fp16/bf16
   c10::Device device = c10::Device(c10::kCPU);
 
-  void* out = nullptr;           // [rows, cols], or nullptr (kNone)
+  void* out = nullptr;           // [rows, cols], or nullptr (not normed)
   void* residual_out = nullptr;  // [rows, cols] residual + input (* gate), or nullptr
   float* stats = nullptr;        // [rows, 2] each row's mean (0 for RMS) and rstd, or nullptr
   const void* input = nullptr;
@@ -58,17 +59,18 @@ struct NormArgs {
 };
 
 // The backward of the row norms. With n the normed row, g its per-column factor
-// (weight_offset + weight, weight_offset + scale, or 1) and dn = dy * g:
+// (factor_offset + weight, factor_offset + scale, or 1) and dn = dy * g:
 //   dx = rstd * (dn - mean(dn) [LayerNorm only] - n * mean(dn * n)) + grad_extra,
 // and the column grads, weight or scale: dy * n (dy * round(n) in the Llama order), shift:
 // dy. Column grads come per row (an operand with one row per input row) or summed in fp32
 // over each group of group_rows consecutive rows, in an order fixed by the launch shape
 // alone, so results repeat bit for bit.
-// kNone is the gated residual's backward (residual + x * gate): n = x, rstd = 1, no row
-// sums, the gate as the scale with weight_offset 0, so dx = dy * gate and the gate's grad
-// is dy * x; no shift grad.
+// Without `normed` it is the gated residual's backward (residual + x * gate): n = x,
+// rstd = 1, no row sums, the gate as the scale with factor_offset 0, so dx = dy * gate and
+// the gate's grad is dy * x; no shift grad.
 struct NormBackwardArgs {
   NormKind kind = NormKind::kRms;
+  bool normed = true;  // false: the gated residual alone (see above)
   at::ScalarType dtype = at::kFloat;  // input, grad_extra, scale, grad_input
   bool weight_fp32 = false;           // weight is fp32 while the input is fp16/bf16
   bool grad_fp32 = false;             // grad_out is fp32 while the input is fp16/bf16
@@ -79,7 +81,7 @@ struct NormBackwardArgs {
   const void* input = nullptr;       // [rows, cols], rows input_stride apart
   const void* grad_extra = nullptr;  // [rows, cols] added to grad_input (a residual's grad), or nullptr
   const void* weight = nullptr;      // [cols] or nullptr
-  Modulation scale;                  // AdaLN's scale or the gate (g = weight_offset + scale), or ptr nullptr
+  Modulation scale;                  // AdaLN's scale or the gate (g = factor_offset + scale), or ptr nullptr
   const float* stats = nullptr;      // the forward's [rows, 2] (mean, rstd), or nullptr: recomputed
 
   // gated_residual_adaln's backward: the norm's input is residual + gate_input * gate, so
@@ -108,7 +110,10 @@ struct NormBackwardArgs {
   // per-batch scale once per block and finds a row's token from its place in the group.
   int64_t group_rows = 0;
   int64_t input_stride = 0, grad_out_stride = 0, grad_extra_stride = 0;
-  float eps = 0.f, inv_cols = 0.f, weight_offset = 0.f;
+  float eps = 0.f, inv_cols = 0.f;
+  // The constant added to the per-column factor g: rms_norm's weight_offset (g = offset +
+  // weight), 1 for AdaLN (g = 1 + scale), 0 for the gate.
+  float factor_offset = 0.f;
   bool cast_before_weight = false;
 };
 
@@ -288,7 +293,8 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
 inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker& c, const at::Tensor& grad_out,
                                 const std::optional<at::Tensor>& grad_extra, bool grad_fp32_allowed,
                                 const char* grad_extra_name = "grad_extra") {
-  b.kind = a.kind, b.dtype = a.dtype, b.weight_fp32 = a.weight_fp32, b.device = a.device;
+  b.kind = a.kind, b.normed = a.normed, b.dtype = a.dtype, b.weight_fp32 = a.weight_fp32;
+  b.device = a.device;
   b.input = a.input, b.weight = a.weight, b.scale = a.scale;
   b.rows = a.rows, b.cols = a.cols, b.tokens = a.tokens, b.input_stride = a.input_stride;
   b.inv_cols = a.inv_cols;
@@ -320,7 +326,7 @@ inline at::Tensor adaln_backward_args(NormBackwardArgs& b, Checker& c, const at:
   c.modulation(shift, "shift");
   at::Tensor grad_input = backward_args(b, c.a, c, grad_out, grad_extra, /*grad_fp32_allowed=*/false, grad_extra_name);
   b.eps = static_cast<float>(eps);
-  b.weight_offset = 1.f;  // g = 1 + scale
+  b.factor_offset = 1.f;  // g = 1 + scale
   if (stats.has_value()) {
     c.check_stats(*stats, "stats");
     b.stats = stats->const_data_ptr<float>();
@@ -476,7 +482,7 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
   a.gate = c.modulation(gate, "gate");
   TORCH_CHECK(out.has_value() == scale.has_value() && out.has_value() == shift.has_value(), op,
               ": out, scale and shift come together (the fused AdaLN) or not at all");
-  a.kind = NormKind::kNone;
+  a.normed = out.has_value();
   if (out.has_value()) {
     at::Tensor out_tensor = *out;  // shares out's storage
     check_disjoint_outputs(out_tensor, residual_out, op, "out", "residual_out");
@@ -505,7 +511,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
   NormBackwardArgs b;
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, grad_extra, a.weight_fp32);
   b.eps = static_cast<float>(eps);
-  b.weight_offset = static_cast<float>(weight_offset);
+  b.factor_offset = static_cast<float>(weight_offset);  // g = weight_offset + weight
   b.cast_before_weight = cast_before_weight;
   b.group_rows = b.rows;
   // The weight's grad: fp32 column sums, rounded once to the weight's dtype by the runner.
@@ -586,11 +592,11 @@ std::tuple<at::Tensor, at::Tensor> gated_residual_backward(const at::Tensor& gra
   norm_detail::Checker c{op, input, Backend::device, a};
   c.check_input();
   c.batch_tokens();
-  a.kind = NormKind::kNone;
+  a.normed = false;
   a.scale = c.modulation(gate, "gate");
   NormBackwardArgs b;
   at::Tensor grad_input = norm_detail::backward_args(b, a, c, grad_out, std::nullopt, /*grad_fp32_allowed=*/false);
-  b.weight_offset = 0.f;  // g = gate
+  b.factor_offset = 0.f;  // g = gate
   norm_detail::group_by_batch_entry(b);
   auto grad_gate = norm_detail::modulation_grad(gate, input, b, b.factor_rows, b.factor_sums, b.factor_sums_fp32);
   if (b.rows > 0) Backend::run(b);

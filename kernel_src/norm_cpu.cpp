@@ -1,6 +1,6 @@
-// The norm family on the CPU: the twin of norm.cu, same math and roundings (fp32
-// accumulation, the residual sum rounded to the input dtype, one rounding at the end;
-// float64 tensors in double), rows spread over threads.
+// The norm family on the CPU: the twin of norm_forward.cu and norm_backward.cu, same math
+// and roundings (fp32 accumulation, the residual sum rounded to the input dtype, one
+// rounding at the end; float64 tensors in double), rows spread over threads.
 #include <ATen/Parallel.h>
 
 #include "norm.h"
@@ -85,7 +85,7 @@ void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
     } else {
       for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(x[k]);
     }
-    if (a.kind == NormKind::kNone) continue;
+    if (!a.normed) continue;  // the gated residual alone
 
     A mean = 0;
     if (a.kind == NormKind::kLayer) mean = sum_of<A>(v.data(), n, 0, false) * inv_cols;
@@ -137,12 +137,12 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A
       centred[k] = static_cast<A>(x[k]);
       dy[k] = static_cast<A>(g[k]);
       A factor = 1;
-      if (w != nullptr) factor = a.weight_offset + static_cast<A>(w[k]);
-      if (scale != nullptr) factor = a.weight_offset + static_cast<A>(scale[k]);
+      if (w != nullptr) factor = a.factor_offset + static_cast<A>(w[k]);
+      if (scale != nullptr) factor = a.factor_offset + static_cast<A>(scale[k]);
       dn[k] = dy[k] * factor;
     }
     const bool layer = a.kind == NormKind::kLayer;
-    const bool normed_row = a.kind != NormKind::kNone;  // kNone: n = x, dx = dn
+    const bool normed_row = a.normed;  // else the gated residual alone: n = x, dx = dn
     // The forward's statistics (fp32), or computed here: float64 rows always recompute, as
     // fp32 statistics would leave their grads fp32-accurate.
     const float* saved = a.stats != nullptr && !std::is_same_v<A, double> ? a.stats + 2 * r : nullptr;
@@ -163,7 +163,7 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A
     T* gate_row = a.gate_rows != nullptr ? static_cast<T*>(a.gate_rows) + r * n : nullptr;
     for (int64_t k = 0; k < n; ++k) {
       A normed = centred[k] * rstd;
-      // kNone takes dn as is: an infinite x times a zero mean_dn_n would make it NaN.
+      // Without a norm, dn as is: an infinite x times a zero mean_dn_n would make it NaN.
       A d = normed_row ? rstd * (dn[k] - mean_dn - normed * mean_dn_n) : dn[k];
       if (extra != nullptr) d += static_cast<A>(extra[k]);
       dx[k] = static_cast<T>(d);

@@ -1,7 +1,7 @@
 """bench_ops times only what computes the op: an implementation whose error sets it apart
 from every other is skipped as wrong, and a wrong ltx fails the run (its report written).
-The launch-tuning harnesses (rope_variants.cu and norm_variants.cu, built beside their
-kernels' internals) still compile, spill-free, for every arch the package targets."""
+The launch-tuning harnesses (rope_variants.cu and norm_variants.cu, built on their
+kernels' headers) still compile, spill-free, for every arch the package targets."""
 
 import json
 import sys

@@ -22,7 +22,7 @@ def test_repository_config():
     assert cfg.capabilities() == ("7.5", "8.0", "9.0")
     cuda_sources = {s for k in cfg.kernels_for("cuda") for s in k.compiled_sources}
     cpu_sources = {s for k in cfg.kernels_for("cpu") for s in k.compiled_sources}
-    assert "kernel_src/norm.cu" in cuda_sources
+    assert {"kernel_src/norm_forward.cu", "kernel_src/norm_backward.cu"} <= cuda_sources
     assert cpu_sources <= cuda_sources, "the CUDA variant also carries every CPU twin"
 
 
@@ -52,7 +52,7 @@ def edit(project: Path, old: str, new: str) -> None:
         ('backend = "cuda"', 'backend = "rocm"', "backend 'rocm' is not in"),
         ('"7.5", "8.0", "9.0"', '"7.5", "8.0", "9.5"', "cuda-capabilities has '9.5'"),
         ('cuda-capabilities = ["7.5", "8.0", "9.0"]\n', "", "needs cuda-capabilities"),
-        ('"kernel_src/norm.cu"', '"kernel_src/missing.cu"', "names 'kernel_src/missing.cu', which does not exist"),
+        ('"kernel_src/rope.cu"', '"kernel_src/missing.cu"', "names 'kernel_src/missing.cu', which does not exist"),
         ("[torch]", "[torch_sources]", r"\[root\] lacks 'torch'"),
         ("[general]", "[general", "does not parse"),
     ],
@@ -69,7 +69,7 @@ def test_bad_build_toml_is_refused_with_a_clear_message(project, old, new, messa
 def test_cpu_section_with_cuda_source_is_refused(project):
     text = (project / "build.toml").read_text()
     head, cpu_section = text.split("[kernel.norm_cpu]")
-    cpu_section = cpu_section.replace('"kernel_src/norm_cpu.cpp"', '"kernel_src/norm.cu"')
+    cpu_section = cpu_section.replace('"kernel_src/norm_cpu.cpp"', '"kernel_src/norm_forward.cu"')
     (project / "build.toml").write_text(head + "[kernel.norm_cpu]" + cpu_section)
     with pytest.raises(ConfigError, match="is a cpu kernel but lists .cu sources"):
         load_config(project)

@@ -173,7 +173,7 @@ def test_gated_residual(kernel, device, s, d, gate, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 # (8500, 64): 17000 rows, over 128 per SM on an H200 or A100: one vector a thread for both
 # norms at a large batch (LayerNorm kept four there until the one-vector rows without a
-# weight ran a full SM: norm.cu, kOneVecUnweightedMinBlocks).
+# weight ran a full SM: norm_forward.cuh, kOneVecUnweightedMinBlocks).
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("s, d", [(7, 256), (7, 2048), (7, 1001), (7, 40000), (701, 2048), (150, 1000), (8500, 64)])
 def test_gated_residual_adaln(kernel, device, s, d, dtype, norm):

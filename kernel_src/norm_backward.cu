@@ -1,0 +1,712 @@
+// The norm family's backward on CUDA (see NormBackwardArgs in norm.h). A block owns a
+// column slice of bwd_vecs vectors per thread and walks a fixed set of rows of one group,
+// keeping its slice of x and dy in registers and adding its slice of the column grads into
+// fp32 shared memory (each thread its own slots: no atomics, no races); it then writes one
+// partial row per column grad, which column_sum_kernel adds up in a fixed order. Rows wider
+// than one slice are split over blockIdx.x: on sm_90 the slices of a row are one cluster's
+// blocks, which exchange their row sums through distributed shared memory; elsewhere (or
+// past 8 slices) each block reads the whole row for the row sums (the other slices' reads
+// partly hit L2). The measurements behind the launch constants, and the alternatives they
+// beat, are rows of docs/decisions.md.
+#include "cuda_common.cuh"
+#include "norm.h"
+
+#include <algorithm>
+#include <array>
+#include <type_traits>
+
+namespace ltx {
+namespace {
+
+// Bytes in flight come from loads per thread: four 16-byte vectors of x and of dy per
+// thread (32 elements in 16 bits: 128-thread rows at D = 4096, four blocks per SM; 16 in
+// fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes, eight single
+// elements on the unaligned path. More would spill beside the fp32 factor, and so do four
+// with the gated residual's loads (three column grads): it takes two. One vector a thread
+// on 512-thread rows (84 registers, one block per SM) was slower (docs/decisions.md).
+__host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes, int accs) {
+  return vec == 1 ? 8 : accs == 3 || vec * grad_bytes > 16 ? 2 : 4;
+}
+// Shared-memory floats per thread: its elements for each column grad side by side, and 16
+// bytes of padding, so that the 16-byte accesses of 8 consecutive threads fall in distinct
+// banks (36 or 68 floats: 4 banks apart; 20 or 52: 20 apart; 28: 28 apart; 12, 20 or 28 on
+// the scalar path).
+__host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int accs) {
+  return accs * bwd_vecs(vec, grad_bytes, accs) * vec + 4;
+}
+constexpr int kBwdMaxBlock = 256;
+// Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
+constexpr int kBwdMinBlocks = 2;
+// AdaLN's backward kernels load their first row before the scale on sm_90 only: compiled
+// for sm_75 or sm_80, two or three of them then spill at the 128-register bound.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kBwdModulatedFirstRowEarly = false;
+#else
+constexpr bool kBwdModulatedFirstRowEarly = true;
+#endif
+// Values one row reduction of the backward sums at most (LayerNorm's).
+constexpr int kBwdRowSums = 3;
+// Column grads summed in shared memory: the weight's, scale's or (the gated residual alone)
+// gate's, AdaLN's shift, and (gated) the gate's.
+__host__ __device__ constexpr int bwd_accs(bool normed, bool modulate, bool gated) {
+  return gated ? 3 : modulate && normed ? 2 : 1;
+}
+// Threads on one row slice: two or three column accumulators take half as many, so that a
+// block of one row slice takes at most 36 KB of shared memory with two, 51 KB with three
+// (beyond 48 KB on request, which max_blocks_per_sm makes).
+constexpr int bwd_row_threads(int accs) { return accs >= 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
+
+template <typename T, typename W, typename G>
+struct NormBwdParams {
+  T* grad_input;          // [rows, cols] contiguous
+  const G* grad_out;      // [rows, cols], rows grad_out_stride apart
+  const T* input;         // [rows, cols], rows input_stride apart
+  const T* grad_extra;    // [rows, cols], rows grad_extra_stride apart, or nullptr
+  const W* weight;        // [cols] or nullptr
+  const T* scale;         // per (batch, token) rows, see Modulation; nullptr without one
+  const float2* stats;    // [rows] the forward's (mean, rstd), or nullptr
+  T* factor_rows;         // [rows, cols] contiguous, or nullptr
+  T* shift_rows;          // [rows, cols] contiguous, or nullptr
+  float* factor_partial;  // [groups, gridDim.y, cols], or nullptr
+  float* shift_partial;   // [groups, gridDim.y, cols], or nullptr
+  // The gated residual before the norm (GATED; see NormBackwardArgs).
+  const T* gate;          // per (batch, token) rows
+  const T* gate_input;    // [rows, cols], rows gate_input_stride apart
+  T* gate_input_grad;     // [rows, cols] contiguous
+  T* gate_rows;           // [rows, cols] contiguous, or nullptr
+  float* gate_partial;    // [groups, gridDim.y, cols], or nullptr
+  int64_t gate_batch, gate_token, gate_input_stride;
+  int64_t scale_batch, scale_token;
+  int64_t group_rows;
+  int64_t input_stride, grad_out_stride, grad_extra_stride;
+  int cols;
+  float eps, inv_cols, factor_offset;
+  bool cast_before_weight;
+  // More than 1: the row's slices are the blocks of one cluster, which add their row sums
+  // through each other's shared memory (sm_90) rather than each reading the whole row.
+  int cluster_blocks;
+};
+
+// Sums N values over one row's threads at once (one pair of barriers for all of them). A
+// block may hold several rows (consecutive runs of threads): each sums its own warps.
+template <int N>
+__device__ __forceinline__ void row_sums(float (&v)[N], int threads_per_row, float (*scratch)[32]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(v[j], threads_per_row < 32 ? threads_per_row : 32);
+  if (threads_per_row <= 32) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, row_warps = threads_per_row / 32;
+  const int first_warp = warp & -row_warps;  // row_warps is a power of two
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) scratch[j][warp] = v[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < row_warps ? scratch[j][first_warp + lane] : 0.f, 32);
+}
+
+// Adds the block sums v (a block holds one row) over the `blocks` blocks of the cluster:
+// each puts its own in `mine` (shared memory), then in every warp lane r reads block r's
+// and the same shuffle tree adds them, so that every block gets the same bits. Alternate
+// two `mine` buffers: a block writes one again only after the next barrier, which every
+// block reaches after its reads.
+template <int N>
+__device__ __forceinline__ void add_cluster_sums(float (&v)[N], float* mine, int blocks) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) mine[j] = v[j];
+  }
+  cluster_barrier();
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < blocks ? load_cluster_shared(mine + j, lane) : 0.f, 32);
+}
+
+// NORMED: the row was normalised; without it (the gated residual alone) n = x, dx = dy * g
+// and KIND is unused.
+template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool GATED, bool NORMED>
+__global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
+    norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
+  // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, (AdaLN) dy and
+  // (gated) dr * input.
+  extern __shared__ float4 column_acc_storage[];
+  float* column_acc = reinterpret_cast<float*>(column_acc_storage);
+  __shared__ float scratch[kBwdRowSums][32];
+  __shared__ float cluster_sums[2][kBwdRowSums];
+  constexpr int kAccs = bwd_accs(NORMED, MODULATE, GATED);
+  constexpr int kVecs = bwd_vecs(VEC, sizeof(G), kAccs);
+  constexpr bool kLayer = KIND == NormKind::kLayer;
+  const int rows_per_block = blockDim.x / threads_per_row;
+  const int row_in_block = threadIdx.x / threads_per_row;
+  const int t = threadIdx.x % threads_per_row;
+  const int nvec = p.cols / VEC;
+  const int slice = blockIdx.x;
+  const int64_t group_first = static_cast<int64_t>(blockIdx.z) * p.group_rows;
+
+  // Vector k of this thread in column chunk c (chunk `slice` is the block's own).
+  auto vec_index = [&](int chunk, int k) { return (chunk * kVecs + k) * threads_per_row + t; };
+  const int slice_cols = threads_per_row * kVecs * VEC;
+  const bool accumulate = p.factor_partial != nullptr || p.shift_partial != nullptr || p.gate_partial != nullptr;
+  // This thread's slots in accumulator `which`: its elements side by side (16-byte
+  // accesses), the accumulators at fixed offsets from one base, so that the compiler may
+  // move one's shared-memory loads above the other's stores.
+  constexpr int kElems = kVecs * VEC;
+  constexpr int kThreadFloats = bwd_thread_floats(VEC, sizeof(G), kAccs);
+  auto slots = [&](int which) { return column_acc + threadIdx.x * kThreadFloats + which * kElems; };
+  // The VEC slots at s (16-byte aligned where VEC is a multiple of 4).
+  auto read_slots = [](const float* s, float (&v)[VEC]) {
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) {
+        const float4 a = reinterpret_cast<const float4*>(s)[q];
+        v[4 * q] = a.x, v[4 * q + 1] = a.y, v[4 * q + 2] = a.z, v[4 * q + 3] = a.w;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[j] = s[j];
+    }
+  };
+  // Adds v into the slots of vector k.
+  auto add_slots = [&](int which, int k, const float (&v)[VEC]) {
+    float* s = slots(which) + k * VEC;
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) {
+        float4 a = reinterpret_cast<float4*>(s)[q];
+        a.x += v[4 * q], a.y += v[4 * q + 1], a.z += v[4 * q + 2], a.w += v[4 * q + 3];
+        reinterpret_cast<float4*>(s)[q] = a;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[j] += v[j];
+    }
+  };
+  if (accumulate) {
+#pragma unroll
+    for (int which = 0; which < kAccs; ++which) {
+#pragma unroll
+      for (int e = 0; e < kVecs * VEC; ++e) slots(which)[e] = 0.f;
+    }
+  }
+
+  // The factor g at vector i: factor_offset + weight, factor_offset + scale (scale_row:
+  // the row's scale), or 1.
+  auto load_factor = [&](const T* scale_row, int i, float (&f)[VEC]) {
+    if constexpr (MODULATE) {
+      to_floats(load_vec<T, VEC>(scale_row, i), f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
+    } else if (p.weight != nullptr) {
+      to_floats(load_vec<W, VEC>(p.weight, i), f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] = 1.f;
+    }
+  };
+  // A group is one batch entry (launch_backward asserts it), so the scale row of a token
+  // takes no 64-bit division per row.
+  const T* batch_scale = MODULATE ? p.scale + static_cast<int64_t>(blockIdx.z) * p.scale_batch : nullptr;
+  auto scale_row_of = [&](int64_t token) { return MODULATE ? batch_scale + token * p.scale_token : nullptr; };
+  // The factor over this thread's own vectors in fp32, loaded once: it is the same for
+  // every row of the block (the weight, or a scale per batch entry, which is the block's
+  // group) unless the scale varies per token. Half the per-element work of the loop was
+  // loading and converting it twice per row.
+  const bool factor_per_row = MODULATE && p.scale_token != 0;
+  float own_factor[kVecs][VEC];
+  auto load_own_factor = [&](int64_t token) {
+    const T* scale_row = scale_row_of(token);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = vec_index(slice, k);
+      if (i < nvec) load_factor(scale_row, i, own_factor[k]);
+    }
+  };
+  // The block's slice of its current row. Unconditional loads (no branch per vector): an
+  // inactive row reads the group's first row and vectors past the row end read its last
+  // vector; neither is used.
+  Vec<T, VEC> xs[kVecs];
+  Vec<G, VEC> dys[kVecs];
+  auto load_slice = [&](int64_t token) {
+    const int64_t r = group_first + token;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = min(vec_index(slice, k), nvec - 1);
+      xs[k] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
+      dys[k] = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
+    }
+  };
+  // The first row's loads go out before the factor's, whose conversion would hold them
+  // back; not in the gated kernels (gated_residual_adaln's), which it slowed
+  // (docs/decisions.md).
+  constexpr bool kFirstRowEarly = !GATED && (!MODULATE || kBwdModulatedFirstRowEarly);
+  const int64_t first_base = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  // The row within the group of this thread at walk step base (an inactive row: the first).
+  auto token_at = [&](int64_t base) { return base + row_in_block < p.group_rows ? base + row_in_block : 0; };
+  if (kFirstRowEarly) load_slice(token_at(first_base));
+  if (!factor_per_row) load_own_factor(0);
+
+  // Sums over the row: its threads, then (clustered) the blocks of its other slices.
+  const bool clustered = p.cluster_blocks > 1;
+  int cluster_round = 0;
+  auto sum_row = [&](auto& sums) {
+    row_sums(sums, threads_per_row, scratch);
+    if (clustered) add_cluster_sums(sums, cluster_sums[cluster_round++ % 2], p.cluster_blocks);
+  };
+
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * rows_per_block;
+
+  // Trip count uniform over the block: every thread joins every row reduction.
+  for (int64_t base = first_base; base < p.group_rows; base += row_step) {
+    const bool active = base + row_in_block < p.group_rows;
+    const int64_t token = token_at(base);
+    const int64_t r = group_first + token;
+    const T* x = p.input + r * p.input_stride;
+    const G* dy = p.grad_out + r * p.grad_out_stride;
+    if (!kFirstRowEarly || base != first_base) load_slice(token);
+    if (factor_per_row && active) load_own_factor(token);
+    const T* scale_row = scale_row_of(factor_per_row ? token : 0);
+    // Rows of more than a warp wait at the barriers of their row sums with no loads in
+    // flight: the block's next row, asked into L2 now, keeps DRAM busy meanwhile, and so
+    // does the saved statistics' line, which from DRAM would hold up the write pass. The
+    // gated residual alone (no row sums) and rows within a warp were slower with it, and so
+    // was a prefetch two rows ahead (docs/decisions.md).
+    const int64_t next = base + row_step + row_in_block;
+    constexpr bool kMayHaveStats = NORMED && MODULATE;
+    if (NORMED && threads_per_row > 32 && next < p.group_rows) {
+      const int first_col = slice * slice_cols, cols = min(slice_cols, p.cols - first_col);
+      const int64_t next_r = group_first + next;
+      prefetch_l2(p.input + next_r * p.input_stride + first_col, cols * sizeof(T), t, threads_per_row);
+      prefetch_l2(p.grad_out + next_r * p.grad_out_stride + first_col, cols * sizeof(G), t, threads_per_row);
+      if (GATED) {
+        prefetch_l2(p.gate_input + next_r * p.gate_input_stride + first_col, cols * sizeof(T), t, threads_per_row);
+      }
+      if (kMayHaveStats && p.stats != nullptr && t == 0) prefetch_l2(p.stats + next_r, sizeof(float2), 0, 1);
+    }
+
+    // Calls fn(x, dy, factor) in fp32 for every vector of the row this thread covers: its
+    // own slice from registers, then (unclustered) the other slices from memory.
+    auto for_row = [&](auto&& fn) {
+      if (!active) return;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (vec_index(slice, k) >= nvec) continue;
+        float xf[VEC], df[VEC];
+        to_floats(xs[k], xf);
+        to_floats(dys[k], df);
+        fn(xf, df, own_factor[k]);
+      }
+      for (int c = 0; !clustered && c < slices; ++c) {
+        if (c == slice) continue;
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+          const int i = vec_index(c, k);
+          if (i >= nvec) continue;
+          float xf[VEC], df[VEC], f[VEC];
+          to_floats(load_vec<T, VEC>(x, i), xf);
+          to_floats(load_vec<G, VEC>(dy, i), df);
+          load_factor(scale_row, i, f);
+          fn(xf, df, f);
+        }
+      }
+    };
+
+    float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
+    // AdaLN's backward may have the forward's statistics: one reduction then, of the dn
+    // sums alone (sum of dn * centred, and LayerNorm's sum of dn). The centred sum is taken
+    // as sum(dn * x) - mean * sum(dn), so that the sums wait for no statistic
+    // (docs/decisions.md); its rounding grows with |mean| / std, to about 1e-5 of dn at
+    // 1000 (CPU study in docs/performance.md), far below bf16's.
+    if (kMayHaveStats && p.stats != nullptr) {
+      const float2 saved = p.stats[r];
+      if constexpr (kLayer) mean = saved.x;  // RMSNorm's is 0: known at compile time
+      rstd = saved.y;
+      constexpr int kSums = kLayer ? 2 : 1;
+      float s[kSums] = {};
+      for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float dn = df[j] * f[j];
+          s[0] += dn * xf[j];
+          if constexpr (kLayer) s[1] += dn;
+        }
+      });
+      sum_row(s);
+      if constexpr (kLayer) s[0] = fmaf(-mean, s[1], s[0]);
+      mean_dn_n = s[0] * rstd * p.inv_cols;
+      mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+    } else if constexpr (NORMED) {
+      if constexpr (kLayer) {
+        float s[1] = {0.f};
+        for_row([&](const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) s[0] += xf[j];
+        });
+        sum_row(s);
+        mean = s[0] * p.inv_cols;
+      }
+      // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
+      constexpr int kSums = kLayer ? 3 : 2;
+      float s[kSums] = {};
+      for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float c = xf[j] - mean;
+          const float dn = df[j] * f[j];
+          s[0] += c * c;
+          s[1] += dn * c;
+          if constexpr (kLayer) s[kSums - 1] += dn;
+        }
+      });
+      sum_row(s);
+      rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
+      mean_dn_n = s[1] * rstd * p.inv_cols;
+      mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+    }
+    if (!active) continue;
+    // LayerNorm's dx = rstd * (dn - mean_dn - n * mean_dn_n) and n = (x - mean) * rstd as
+    // two FMAs each (RMSNorm's mean_dn and mean are 0: its forms stay). Folding the mean
+    // into an FMA adds an error of about 2^-24 * |mean| / std to n, below that of x's own
+    // rounding.
+    const float neg_mean_rstd = -mean * rstd, dn_scale = rstd * mean_dn_n, neg_mean_dn = -rstd * mean_dn;
+    const int64_t out_row = r * p.cols;
+    const T* extra = p.grad_extra != nullptr ? p.grad_extra + r * p.grad_extra_stride : nullptr;
+    const T* gated = GATED ? p.gate_input + r * p.gate_input_stride : nullptr;
+    const T* gate_row =
+        GATED ? p.gate + static_cast<int64_t>(blockIdx.z) * p.gate_batch + token * p.gate_token : nullptr;
+    // The write pass, with the Llama-order rounding and the extra grad chosen once per row
+    // rather than predicated per element.
+    auto write_row = [&](auto round_normed, auto add_extra) {
+      // The extra grads all in flight at once: loaded in the loop, each would wait behind
+      // the previous vector's stores, which the compiler cannot prove apart from them.
+      Vec<T, VEC> extras[decltype(add_extra)::value ? kVecs : 1];
+      if constexpr (decltype(add_extra)::value) {
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) extras[k] = load_vec<T, VEC>(extra, min(vec_index(slice, k), nvec - 1));
+      }
+      [[maybe_unused]] Vec<T, VEC> gated_vecs[GATED ? kVecs : 1];
+      if constexpr (GATED) {
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) gated_vecs[k] = load_vec<T, VEC>(gated, min(vec_index(slice, k), nvec - 1));
+      }
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        const int i = vec_index(slice, k);
+        if (i >= nvec) continue;
+        float xf[VEC], df[VEC], ex[VEC];
+        to_floats(xs[k], xf);
+        to_floats(dys[k], df);
+        if constexpr (decltype(add_extra)::value) to_floats(extras[k], ex);
+        float g[VEC], normed[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float dn = df[j] * own_factor[k][j];
+          normed[j] = !NORMED ? xf[j] : kLayer ? fmaf(xf[j], rstd, neg_mean_rstd) : xf[j] * rstd;
+          // Without a norm, dn as is: an infinite x times a zero mean_dn_n would make it NaN.
+          g[j] = !NORMED ? dn
+                 : kLayer  ? fmaf(-normed[j], dn_scale, fmaf(dn, rstd, neg_mean_dn))
+                           : rstd * (dn - normed[j] * mean_dn_n);
+          if constexpr (decltype(add_extra)::value) g[j] += ex[j];
+        }
+        const Vec<T, VEC> grad_stored = from_floats<T>(g);
+        store_vec<T, VEC>(p.grad_input + out_row, i, grad_stored);
+        if constexpr (GATED) {
+          // gated_residual_backward's pass on grad_input as stored: dr * gate, dr * input.
+          float dr[VEC], gate_f[VEC], input_f[VEC], dr_gate[VEC], dr_input[VEC];
+          to_floats(grad_stored, dr);
+          to_floats(load_vec<T, VEC>(gate_row, i), gate_f);
+          to_floats(gated_vecs[k], input_f);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) dr_gate[j] = dr[j] * gate_f[j], dr_input[j] = dr[j] * input_f[j];
+          store_vec<T, VEC>(p.gate_input_grad + out_row, i, from_floats<T>(dr_gate));
+          if (accumulate) add_slots(2, k, dr_input);
+          if (p.gate_rows != nullptr) store_vec<T, VEC>(p.gate_rows + out_row, i, from_floats<T>(dr_input));
+        }
+        if constexpr (decltype(round_normed)::value) to_floats(from_floats<T>(normed), normed);
+        float dy_n[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dy_n[j] = df[j] * normed[j];
+        if (accumulate) {
+          add_slots(0, k, dy_n);
+          if constexpr (kAccs >= 2) add_slots(1, k, df);
+        }
+        if constexpr (MODULATE) {
+          if (p.factor_rows != nullptr) store_vec<T, VEC>(p.factor_rows + out_row, i, from_floats<T>(dy_n));
+          if (p.shift_rows != nullptr) store_vec<T, VEC>(p.shift_rows + out_row, i, from_floats<T>(df));
+        }
+      }
+    };
+    // Rounding a float input to float changes nothing: one variant fewer.
+    const bool round_normed = p.cast_before_weight && !std::is_same_v<T, float>;
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (round_normed) {
+      extra != nullptr ? write_row(Yes{}, Yes{}) : write_row(Yes{}, No{});
+    } else {
+      extra != nullptr ? write_row(No{}, Yes{}) : write_row(No{}, No{});
+    }
+  }
+
+  // No block of the cluster may leave while another may still read its row sums.
+  if (clustered) cluster_barrier();
+  if (!accumulate) return;
+  // This block's partial column sums, one row per column grad. Thread t of row rr takes its
+  // vectors rr, rr + rows_per_block, ..., adds each over the block's rows in order and
+  // stores it as one vector, where a loop of a column per thread took a division per
+  // column and a 4-byte store (docs/decisions.md).
+  __syncthreads();
+  float* const partials[3] = {p.factor_partial, p.shift_partial, p.gate_partial};
+  const int64_t partial_row = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * p.cols;
+  for (int k = row_in_block; k < kVecs; k += rows_per_block) {
+    const int i = vec_index(slice, k);
+    if (i >= nvec) continue;
+#pragma unroll
+    for (int which = 0; which < kAccs; ++which) {
+      if (partials[which] == nullptr) continue;
+      // Vector k of thread t of each row.
+      const float* own = column_acc + t * kThreadFloats + which * kElems + k * VEC;
+      Vec<float, VEC> sum;
+      read_slots(own, sum.v);
+      for (int rr = 1; rr < rows_per_block; ++rr) {
+        float other[VEC];
+        read_slots(own + rr * threads_per_row * kThreadFloats, other);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum.v[j] += other[j];
+      }
+      store_vec<float, VEC>(partials[which] + partial_row, i, sum);
+    }
+  }
+}
+
+// sums[g, c] = sum over b of partial[g, b, c], b in order, rounded once to the sums' dtype
+// (fp32 or T). A block takes 32 columns, VEC per thread, and splits the partial rows over
+// threadIdx.y; the threads' sums then add in a fixed order. blockIdx.z picks the column
+// grad (weight or scale, then shift, then gate): all in one launch.
+constexpr int kSumCols = 32, kSumThreads = 512;
+
+struct ColumnSums {
+  const float* partial[3];
+  void* sums[3];
+  bool fp32[3];
+};
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSums grads, int partial_rows, int cols) {
+  constexpr int kRowThreads = kSumThreads * VEC / kSumCols;  // blockDim.y
+  constexpr int kSegments = kSumThreads / kSumCols;
+  __shared__ float4 tile_storage[kRowThreads * kSumCols / 4];
+  float(*tile)[kSumCols] = reinterpret_cast<float(*)[kSumCols]>(tile_storage);
+  const int first_col = blockIdx.x * kSumCols + threadIdx.x * VEC;
+  // Selected, not indexed: a parameter array indexed at run time is copied to the stack.
+  auto pick = [](const auto (&field)[3]) { return blockIdx.z == 0 ? field[0] : blockIdx.z == 1 ? field[1] : field[2]; };
+  const float* group = pick(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
+  float acc[VEC] = {};
+  if (first_col < cols) {
+    // 16-byte loads, eight in flight per thread (the adds keep their order): the partial
+    // rows are read once, so bytes in flight set the time.
+#pragma unroll 8
+    for (int b = threadIdx.y; b < partial_rows; b += kRowThreads) {
+      const Vec<float, VEC> v = load_vec<float, VEC>(group + static_cast<int64_t>(b) * cols + first_col, 0);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] += v.v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) tile[threadIdx.y][threadIdx.x * VEC + j] = acc[j];
+  __syncthreads();
+  // Every thread adds VEC of the kRowThreads sums of one column, then one thread per
+  // column adds those: a fixed order.
+  const int t = threadIdx.y * blockDim.x + threadIdx.x, col = t % kSumCols, segment = t / kSumCols;
+  float part = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) part += tile[segment * VEC + j][col];
+  __syncthreads();
+  tile[segment][col] = part;
+  __syncthreads();
+  const int out_col = blockIdx.x * kSumCols + t;
+  if (t >= kSumCols || out_col >= cols) return;
+  float total = 0.f;
+#pragma unroll
+  for (int s = 0; s < kSegments; ++s) total += tile[s][t];
+  const int64_t out = static_cast<int64_t>(blockIdx.y) * cols + out_col;
+  void* sums = pick(grads.sums);
+  if (pick(grads.fp32)) {
+    static_cast<float*>(sums)[out] = total;
+  } else {
+    static_cast<T*>(sums)[out] = from_float<T>(total);
+  }
+}
+
+template <typename T, typename W, typename G, NormKind KIND, bool MODULATE, bool GATED = false, bool NORMED = true>
+void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec16<T>;
+  auto ok_ptr = [](const void* ptr, std::size_t bytes) { return ptr == nullptr || aligned_to(ptr, bytes); };
+  const std::size_t tb = V * sizeof(T);
+  const bool vector = a.cols % V == 0 && a.input_stride % V == 0 && a.grad_out_stride % V == 0 &&
+                      a.grad_extra_stride % V == 0 && a.scale.batch_stride % V == 0 &&
+                      a.scale.token_stride % V == 0 && ok_ptr(a.input, tb) && ok_ptr(a.grad_input, tb) &&
+                      ok_ptr(a.grad_extra, tb) && ok_ptr(a.scale.ptr, tb) && ok_ptr(a.factor_rows, tb) &&
+                      ok_ptr(a.shift_rows, tb) && ok_ptr(a.weight, V * sizeof(W)) &&
+                      ok_ptr(a.grad_out, V * sizeof(G)) && a.gate.batch_stride % V == 0 &&
+                      a.gate.token_stride % V == 0 && a.gate_input_stride % V == 0 && ok_ptr(a.gate.ptr, tb) &&
+                      ok_ptr(a.gate_input, tb) && ok_ptr(a.gate_input_grad, tb) && ok_ptr(a.gate_rows, tb);
+  const int vec = vector ? V : 1;
+  const int64_t nvec = a.cols / vec;
+  constexpr int accs = bwd_accs(NORMED, MODULATE, GATED);
+  const int vecs_per_thread = bwd_vecs(vec, sizeof(G), accs);
+  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(accs));
+  const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
+  const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
+  const int device = a.device.index();
+  const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr || a.gate_sums != nullptr;
+  const std::size_t thread_shared = sums ? bwd_thread_floats(vec, sizeof(G), accs) * sizeof(float) : 0;
+  const auto kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED>
+                             : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED>;
+  // Every block writes a partial row per column grad, which column_sum_kernel reads back.
+  // With column sums, rows of 64 threads share a block, up to four at a time, for a quarter
+  // of those partial rows, as long as as many threads stay resident per SM (16-bit AdaLN's
+  // two grads take 68 KB for four rows: on the H200 two such blocks fit, on sm_75 or sm_86
+  // the shared memory would cut the resident threads, so they keep a row per block). Rows
+  // without sums are not helped. Rows of 128 threads with one or two column grads (D = 4096
+  // in 16 bits) pair up in 256-thread blocks, as many threads per SM; with three
+  // (gated_residual_adaln's 128-thread rows at D = 2048) that was slower (docs/decisions.md).
+  auto blocks_per_sm = [&](int threads) {
+    return max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, threads, threads * thread_shared);
+  };
+  int block = cfg.block;
+  const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32 + 2]);
+  const int shared_row_threads = accs == 3 ? 64 : 128;
+  while (sums && slices == 1 && cfg.threads_per_row <= shared_row_threads && block < 4 * cfg.threads_per_row &&
+         2 * block <= kBwdMaxBlock && 2 * block * thread_shared <= shared_room &&
+         2 * blocks_per_sm(2 * block) >= blocks_per_sm(block)) {
+    block *= 2;
+  }
+  const int rows_per_block = block / cfg.threads_per_row;
+  const int64_t groups = a.rows / a.group_rows;
+  // The kernel loads a per-batch AdaLN scale once per block: its groups are batch entries.
+  TORCH_INTERNAL_ASSERT(!MODULATE || a.group_rows == a.tokens, "norm backward: AdaLN groups of ", a.group_rows,
+                        " rows with ", a.tokens, " tokens per batch entry");
+  const std::size_t shared = block * thread_shared;
+
+  // One wave of blocks, each walking its share of the rows (each adds one partial row per
+  // column grad, so no more blocks than fit at once).
+  int64_t resident_rows = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(block) / slices;
+  // Rows wider than one block: on sm_90 and later, with the kernel's code built for sm_90 or
+  // later (the cluster helpers; max_active_clusters says 0 otherwise), its slices form a
+  // cluster (up to the portable 8) and exchange their row sums, so that each block reads
+  // only its own slice (else each reads the whole row for the sums, and the wider the row
+  // the more it re-reads). The gated residual alone takes no row sums.
+  bool clustered = NORMED && slices > 1 && slices <= 8 &&
+                   device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
+  if (clustered) {
+    TORCH_INTERNAL_ASSERT(rows_per_block == 1, "norm backward: a cluster's blocks hold one row each");
+    const int clusters = max_active_clusters(reinterpret_cast<const void*>(kernel), device, slices, block, shared);
+    clustered = clusters > 0;  // else the slices' blocks re-read the row
+    if (clustered) resident_rows = clusters;
+  }
+  const int64_t wanted = std::max<int64_t>(1, resident_rows / groups);
+  const int row_blocks = static_cast<int>(std::min<int64_t>(
+      {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
+  TORCH_CHECK(groups <= 65535, "norm backward: ", groups, " batch entries is more than one launch takes (65535)");
+
+  // The column grads summed, each into its own partial rows: the weight's or scale's, the
+  // shift's, the gate's.
+  struct ColumnGrad {
+    void* sums;
+    bool fp32;
+    float* partial;
+  };
+  std::array<ColumnGrad, 3> column_grads{{{a.factor_sums, a.factor_sums_fp32, nullptr},
+                                          {a.shift_sums, a.shift_sums_fp32, nullptr},
+                                          {a.gate_sums, a.gate_sums_fp32, nullptr}}};
+  // With one row block the partial rows are the sums themselves, if they are fp32.
+  const bool sums_direct = row_blocks == 1 && std::all_of(column_grads.begin(), column_grads.end(), [](auto& g) {
+                             return g.sums == nullptr || g.fp32;
+                           });
+  at::Tensor partial;
+  if (sums) {
+    const int64_t per = groups * row_blocks * a.cols;
+    const auto buffers = std::count_if(column_grads.begin(), column_grads.end(), [](auto& g) { return g.sums; });
+    if (!sums_direct) partial = at::empty({buffers * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
+    float* next = sums_direct ? nullptr : partial.mutable_data_ptr<float>();
+    for (ColumnGrad& g : column_grads) {
+      if (g.sums == nullptr) continue;
+      g.partial = sums_direct ? static_cast<float*>(g.sums) : next;
+      if (!sums_direct) next += per;
+    }
+  }
+  const NormBwdParams<T, W, G> p{static_cast<T*>(a.grad_input), static_cast<const G*>(a.grad_out),
+                                 static_cast<const T*>(a.input), static_cast<const T*>(a.grad_extra),
+                                 static_cast<const W*>(a.weight), static_cast<const T*>(a.scale.ptr),
+                                 reinterpret_cast<const float2*>(a.stats),
+                                 static_cast<T*>(a.factor_rows), static_cast<T*>(a.shift_rows),
+                                 column_grads[0].partial, column_grads[1].partial,
+                                 static_cast<const T*>(a.gate.ptr), static_cast<const T*>(a.gate_input),
+                                 static_cast<T*>(a.gate_input_grad), static_cast<T*>(a.gate_rows),
+                                 column_grads[2].partial, a.gate.batch_stride, a.gate.token_stride,
+                                 a.gate_input_stride,
+                                 a.scale.batch_stride, a.scale.token_stride, a.group_rows,
+                                 a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),
+                                 a.eps, a.inv_cols, a.factor_offset, a.cast_before_weight,
+                                 clustered ? slices : 1};
+  const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
+  if (clustered) {
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = cluster_launch(grid, block, shared, stream, slices, attribute);
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, cfg.threads_per_row, slices));
+  } else {
+    kernel<<<grid, block, shared, stream>>>(p, cfg.threads_per_row, slices);
+  }
+  check_launch();
+  if (sums && !sums_direct) {
+    ColumnSums grads{};
+    unsigned count = 0;
+    for (const ColumnGrad& g : column_grads) {
+      if (g.sums == nullptr) continue;
+      grads.partial[count] = g.partial, grads.sums[count] = g.sums, grads.fp32[count] = g.fp32;
+      ++count;
+    }
+    const dim3 sum_grid(static_cast<unsigned>((a.cols + kSumCols - 1) / kSumCols), static_cast<unsigned>(groups), count);
+    // The partial buffers are fresh allocations with rows of cols floats: 16-byte aligned
+    // when cols is a multiple of 4.
+    constexpr int kSumVec = 4;
+    if (a.cols % kSumVec == 0) {
+      const dim3 block(kSumCols / kSumVec, kSumThreads * kSumVec / kSumCols);
+      column_sum_kernel<T, kSumVec><<<sum_grid, block, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+    } else {
+      const dim3 block(kSumCols, kSumThreads / kSumCols);
+      column_sum_kernel<T, 1><<<sum_grid, block, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+    }
+    check_launch();
+  }
+}
+
+}  // namespace
+
+void run_norm_backward_cuda(const NormBackwardArgs& a) {
+  const c10::cuda::CUDAGuard guard(a.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
+  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_backward", [&] {
+    using T = scalar_t;
+    if (!a.normed) {  // the gated residual alone: the gate as the scale, no norm (KIND unused)
+      TORCH_INTERNAL_ASSERT(a.scale.ptr != nullptr && a.gate.ptr == nullptr);
+      return launch_backward<T, T, T, NormKind::kRms, true, false, /*NORMED=*/false>(a, stream);
+    }
+    if (a.gate.ptr != nullptr) {  // the gated residual, then AdaLN
+      TORCH_INTERNAL_ASSERT(a.scale.ptr != nullptr);
+      return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true, true>(a, stream)
+                                        : launch_backward<T, T, T, NormKind::kRms, true, true>(a, stream);
+    }
+    if (a.scale.ptr != nullptr) {  // AdaLN
+      return a.kind == NormKind::kLayer ? launch_backward<T, T, T, NormKind::kLayer, true>(a, stream)
+                                        : launch_backward<T, T, T, NormKind::kRms, true>(a, stream);
+    }
+    with_weight_types<T>(a.weight_fp32, a.grad_fp32, [&](auto w, auto g) {
+      launch_backward<T, typename decltype(w)::type, typename decltype(g)::type, NormKind::kRms, false>(a, stream);
+    });
+  });
+}
+
+}  // namespace ltx

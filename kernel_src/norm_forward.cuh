@@ -1,0 +1,601 @@
+// The norm family's forward on CUDA (see norm.h): one pass over memory per op. Each row is
+// read once into registers (16-byte vectors where alignment allows), reduced in fp32, then
+// scaled and written with one rounding. The kernels and the launch choice live here, in
+// ltx::norm_cuda, for norm_forward.cu and the tuning harness benchmarks/norm_variants.cu.
+// The measurements behind the launch constants, and the alternatives they beat, are rows
+// of docs/decisions.md.
+#pragma once
+
+#include "cuda_common.cuh"
+#include "norm.h"
+
+#include <algorithm>
+#include <array>
+#include <type_traits>
+
+namespace ltx::norm_cuda {
+
+// What an instantiation fuses around the norm (unused operands compile away):
+// RESIDUAL, a residual (+ gate) add before the norm with the sum stored; MODULATE,
+// * (1 + scale) + shift after it. The plain norm fits 64 registers, so it may use
+// 1024-thread blocks (bf16 rows up to D = 32768 stay in registers); fused variants
+// need more registers: 512 threads, 128 registers.
+constexpr int max_block(bool residual, bool modulate) { return residual || modulate ? 512 : 1024; }
+
+// Vectors a thread caches from the reduction to the write, by launch:
+//   1  residual rows of up to kOneVecThreads vectors, at two or more rows per SM;
+//   2  rows without a residual of up to 2 * kTwoVecThreads vectors, at few rows per SM;
+//   4  (kCachedVecs) everything else, re-reading what does not fit (from L2);
+//   8  (kWideCachedVecs) plain RMSNorm rows too wide for four, in rms_norm_wide_row_kernel.
+
+// Four loads in flight cover DRAM latency, and 4 x 16 B keep 1024 threads within 64 registers.
+constexpr int kCachedVecs = 4;
+// Residual rows: at four vectors they take 62-64 registers (sm_90), at one at most 48
+// (docs/decisions.md).
+constexpr int kOneVecThreads = 256;
+// Blocks per SM of one-vector rows: an unweighted row fits 32 registers, a full SM; the
+// weighted fused add would spill there (docs/decisions.md).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kOneVecMinBlocks = 4;  // sm_75 holds 1024 threads per SM (64 registers)
+constexpr int kOneVecUnweightedMinBlocks = 4;
+#else
+constexpr int kOneVecMinBlocks = 5;
+constexpr int kOneVecUnweightedMinBlocks = 8;
+#endif
+// Two-vector rows: twice the threads a row of the four-vector launch has, in at most 40
+// registers (1536 threads per SM) with the write operands loaded before the reduction.
+constexpr int kTwoVecThreads = 512;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kTwoVecMinBlocks = 2;  // 1024 threads per SM
+#else
+constexpr int kTwoVecMinBlocks = 3;
+#endif
+
+// Whether AdaLN RMS's scale and shift load with the row (two vectors a thread): on sm_90 in
+// 16 bits only, where it fits the 40-register bound (docs/decisions.md). `arch` is
+// __CUDA_ARCH__ in the kernel and the device's compute capability x 100 on the host.
+template <typename T>
+__host__ __device__ constexpr bool modulated_preload(int arch, NormKind kind) {
+  return arch >= 900 && kind == NormKind::kRms && sizeof(T) == 2;
+}
+#ifdef __CUDA_ARCH__
+constexpr int kDeviceArch = __CUDA_ARCH__;
+#else
+constexpr int kDeviceArch = 0;  // the host pass: no kernel body runs there
+#endif
+
+template <typename T, typename W, typename O>
+struct NormParams {
+  O* out;             // [rows, cols], rows out_stride apart; nullptr without a norm
+  T* residual_out;    // [rows, cols] or nullptr
+  float2* stats;      // [rows] (mean, rstd) or nullptr
+  const T* input;     // [rows, cols]
+  const T* residual;  // [rows, cols] or nullptr
+  const W* weight;    // [cols] or nullptr
+  const T* gate;      // per (batch, token) rows, see Modulation; nullptr if unused
+  const T* scale;
+  const T* shift;
+  int64_t gate_batch, gate_token, scale_batch, scale_token, shift_batch, shift_token;
+  int64_t rows;
+  IntDivider tokens;  // row r is (r / tokens, r % tokens); rows < 2^31 (see make_params)
+  int64_t input_stride, residual_stride, out_stride, residual_out_stride;
+  int cols;
+  float eps, inv_cols, weight_offset;
+  bool cast_before_weight;
+};
+
+// CACHED vectors a thread stay in registers; with one or two (the launches of
+// kOneVecThreads and kTwoVecThreads above), the row has at most CACHED * threads_per_row
+// vectors and nothing is re-read. A minimum of 0 blocks is none: an explicit 1 costs the
+// four-vector residual kernels registers (docs/decisions.md).
+constexpr int bound_threads(int cached, bool residual, bool modulate) {
+  return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
+}
+// Whether an instantiation's write takes a weight: AdaLN has none, and the gated residual
+// alone (not NORMED) stops after the row's sum. Without one, a one-vector row fits 32
+// registers.
+__host__ __device__ constexpr bool writes_weight(bool normed, bool modulate) { return !modulate && normed; }
+constexpr int bound_min_blocks(int cached, bool weighted) {
+  if (cached == 1) return weighted ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
+  return cached == 2 ? kTwoVecMinBlocks : 0;
+}
+
+// NORMED: the norm follows the residual add; without it (the gated residual alone) the row
+// stops at residual_out and KIND is unused.
+template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE,
+          bool NORMED = true>
+__global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
+                                  bound_min_blocks(CACHED, writes_weight(NORMED, MODULATE)))
+    norm_kernel(const NormParams<T, W, O> p, int row_shift) {
+  __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
+  // Rows take a power of two of threads, passed as its log: the divisions below compile to
+  // shifts and masks ahead of the loads.
+  const int threads_per_row = 1 << row_shift;
+  const int rows_per_block = blockDim.x / threads_per_row;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / threads_per_row;
+  const int t = threadIdx.x % threads_per_row;
+  // Threads past the last row still take part in the reductions.
+  const bool active = row < p.rows;
+  const int64_t r = active ? row : 0;
+  const uint32_t batch = p.tokens.div(static_cast<uint32_t>(r));
+  const uint32_t token = static_cast<uint32_t>(r) - batch * p.tokens.divisor;
+  const int nvec = p.cols / VEC;
+
+  const T* x = p.input + r * p.input_stride;
+  const T* res = RESIDUAL ? p.residual + r * p.residual_stride : nullptr;
+  T* res_out = RESIDUAL ? p.residual_out + r * p.residual_out_stride : nullptr;
+  const T* gate = RESIDUAL && p.gate ? p.gate + batch * p.gate_batch + token * p.gate_token : nullptr;
+  // Vectors past the cache are read again: the stored sum when the op makes one.
+  const T* reread = res_out ? res_out : x;
+
+  // The row's value: input, or residual + input (* gate) rounded to T and stored.
+  auto load_row = [&](int i) {
+    Vec<T, VEC> v = load_vec<T, VEC>(x, i);
+    if constexpr (RESIDUAL) {
+      const Vec<T, VEC> rv = load_vec<T, VEC>(res, i);
+      if (gate != nullptr) {
+        const Vec<T, VEC> g = load_vec<T, VEC>(gate, i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
+      }
+      store_vec<T, VEC>(res_out, i, v);
+    }
+    return v;
+  };
+  auto sum_of = [](const Vec<T, VEC>& v, float shift, bool square) {
+    float f[VEC];
+    to_floats(v, f);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      f[j] -= shift;
+      s += square ? f[j] * f[j] : f[j];
+    }
+    return s;
+  };
+
+  Vec<T, VEC> cached[CACHED];
+  constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
+  // AdaLN takes no weight (launch asserts it): without the weight's registers its
+  // four-vector kernel holds 62-63 registers, not 69-72 (sm_90; docs/decisions.md).
+  constexpr bool kWeighted = writes_weight(NORMED, MODULATE);
+  const bool weighted = kWeighted && p.weight != nullptr;
+  // One vector a thread, two or, in plain RMSNorm, four with a weight of 16-byte vectors (or,
+  // on sm_90, AdaLN RMS's 16-bit scale and shift): the write operands of the cached vectors
+  // load with them, so that their latency overlaps the row's rather than following the
+  // reduction. Loaded in the write phase, each weight load waits on the previous store (the
+  // output may alias the weight): four L2 round trips after the barrier on sm_90
+  // (docs/decisions.md).
+  constexpr bool kPreload =
+      CACHED == 1 ||
+      (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) || (kWeighted && VEC * sizeof(W) == 16))) ||
+      (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16);
+  constexpr int kPre = kPreload ? CACHED : 1;
+  Vec<W, VEC> pre_w[kPre];
+  Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
+  const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
+  const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
+  if constexpr (kPreload) {
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (!active || i >= nvec) continue;
+      if (weighted) pre_w[k] = load_vec<W, VEC>(p.weight, i);
+      if constexpr (MODULATE) {
+        pre_scale[k] = load_vec<T, VEC>(scale, i);
+        pre_shift[k] = load_vec<T, VEC>(shift, i);
+      }
+    }
+  }
+  // LayerNorm takes the mean first and then the centred square sum (as PyTorch, no
+  // cancellation); RMSNorm takes the square sum in the first pass.
+  constexpr bool kSquareFirst = KIND == NormKind::kRms;
+  float acc = 0.f;
+#pragma unroll
+  for (int k = 0; k < CACHED; ++k) {
+    const int i = t + k * threads_per_row;
+    if (active && i < nvec) {
+      cached[k] = load_row(i);
+      acc += sum_of(cached[k], 0.f, kSquareFirst);
+    }
+  }
+  for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
+    acc += sum_of(load_row(i), 0.f, kSquareFirst);
+  }
+  if constexpr (!NORMED) {
+    return;  // the gated residual alone: residual_out is the result
+  } else {
+    float mean = 0.f;
+    float sum_sq = row_sum(acc, threads_per_row, scratch[0]);
+    if constexpr (KIND == NormKind::kLayer) {
+      mean = sum_sq * p.inv_cols;
+      acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < CACHED; ++k) {
+        const int i = t + k * threads_per_row;
+        if (active && i < nvec) acc += sum_of(cached[k], mean, true);
+      }
+      for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
+        acc += sum_of(load_vec<T, VEC>(reread, i), mean, true);
+      }
+      sum_sq = row_sum(acc, threads_per_row, scratch[1]);
+    }
+    if (!active) return;
+    const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+    if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
+
+    O* y_row = p.out + r * p.out_stride;
+    // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
+    auto write = [&](const Vec<T, VEC>& v, int i, int k) {
+      Vec<W, VEC> w;
+      Vec<T, VEC> sc, sh;
+      bool preloaded = false;
+      if constexpr (kPreload) {
+        preloaded = k >= 0;
+        if (preloaded) {
+          if constexpr (kWeighted) w = pre_w[k];
+          if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
+        }
+      }
+      if (!preloaded) {
+        if (weighted) w = load_vec<W, VEC>(p.weight, i);
+        if constexpr (MODULATE) {
+          sc = load_vec<T, VEC>(scale, i);
+          sh = load_vec<T, VEC>(shift, i);
+        }
+      }
+      float f[VEC], wf[VEC], scf[VEC], shf[VEC];
+      to_floats(v, f);
+      if (weighted) to_floats(w, wf);
+      if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        f[j] = (f[j] - mean) * rstd;
+        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
+        if (weighted) f[j] *= p.weight_offset + wf[j];
+        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
+      }
+      store_vec<O, VEC>(y_row, i, from_floats<O>(f));
+    };
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (i < nvec) write(cached[k], i, k);
+    }
+    for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
+      write(load_vec<T, VEC>(reread, i), i, -1);
+    }
+  }
+}
+
+template <typename T, typename W, typename O>
+NormParams<T, W, O> make_params(const NormArgs& a) {
+  // Rows find their (batch, token) operands by a 32-bit division.
+  const bool per_row_operands = a.scale.ptr != nullptr || a.gate.ptr != nullptr;
+  TORCH_CHECK(!per_row_operands || a.rows <= INT32_MAX, "norm: AdaLN and the gated residual take at most 2^31 - 1 ",
+              "rows on CUDA, got ", a.rows);
+  return {static_cast<O*>(a.out),
+          static_cast<T*>(a.residual_out),
+          reinterpret_cast<float2*>(a.stats),
+          static_cast<const T*>(a.input),
+          static_cast<const T*>(a.residual),
+          static_cast<const W*>(a.weight),
+          static_cast<const T*>(a.gate.ptr),
+          static_cast<const T*>(a.scale.ptr),
+          static_cast<const T*>(a.shift.ptr),
+          a.gate.batch_stride, a.gate.token_stride, a.scale.batch_stride, a.scale.token_stride,
+          a.shift.batch_stride, a.shift.token_stride,
+          a.rows, IntDivider(per_row_operands ? a.tokens : 1),
+          a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
+          static_cast<int>(a.cols),
+          a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+}
+
+// Whether every pointer and stride allows VEC-wide accesses.
+template <typename T, typename W, typename O, int VEC>
+bool vectorizable(const NormArgs& a) {
+  auto ok_ptr = [](const void* p, std::size_t bytes) { return p == nullptr || aligned_to(p, bytes); };
+  auto ok_stride = [](int64_t s) { return s % VEC == 0; };
+  const std::size_t tb = VEC * sizeof(T);
+  return a.cols % VEC == 0 && ok_stride(a.input_stride) && ok_stride(a.residual_stride) &&
+         ok_stride(a.out_stride) && ok_stride(a.residual_out_stride) &&
+         ok_stride(a.gate.batch_stride) && ok_stride(a.gate.token_stride) &&
+         ok_stride(a.scale.batch_stride) && ok_stride(a.scale.token_stride) &&
+         ok_stride(a.shift.batch_stride) && ok_stride(a.shift.token_stride) &&
+         ok_ptr(a.input, tb) && ok_ptr(a.residual, tb) && ok_ptr(a.residual_out, tb) &&
+         ok_ptr(a.gate.ptr, tb) && ok_ptr(a.scale.ptr, tb) && ok_ptr(a.shift.ptr, tb) &&
+         ok_ptr(a.weight, VEC * sizeof(W)) && ok_ptr(a.out, VEC * sizeof(O));
+}
+
+// Plain RMSNorm rows (a weight; no residual, AdaLN or statistics) of the two-vector
+// launch with a block each: a kernel of their own, its operands restricted pointers (the
+// row and the weight load by the read-only path) and the Llama order's rounding a template
+// flag, where the general kernel tests its options at run time (docs/decisions.md). In
+// place (out == input) stays correct despite __restrict__: a block reads all of its row
+// before the reduction's barrier and writes it after.
+template <typename T, typename W, typename O, int VEC, bool CAST>
+__global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
+    rms_norm_row_kernel(const T* __restrict__ input, const W* __restrict__ weight, O* __restrict__ out,
+                        int64_t input_stride, int64_t out_stride, int nvec, float eps, float inv_cols,
+                        float weight_offset) {
+  __shared__ float scratch[32];
+  const int i0 = threadIdx.x, i1 = threadIdx.x + blockDim.x;
+  const bool has0 = i0 < nvec, has1 = i1 < nvec;
+  const T* x = input + blockIdx.x * input_stride;
+  Vec<T, VEC> x0{}, x1{};
+  Vec<W, VEC> w0{}, w1{};
+  if (has0) x0 = load_vec<T, VEC>(x, i0);
+  if (has1) x1 = load_vec<T, VEC>(x, i1);
+  if (has0) w0 = load_vec<W, VEC>(weight, i0);
+  if (has1) w1 = load_vec<W, VEC>(weight, i1);
+  float f0[VEC], f1[VEC];
+  to_floats(x0, f0);
+  to_floats(x1, f1);
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) sum_sq += f0[j] * f0[j];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) sum_sq += f1[j] * f1[j];
+  // Without the rounding, the row takes its weight before the reduction: x * w * rstd in
+  // the registers x held, and the weight's loads issue before the barrier. Used after it,
+  // ptxas sinks them past it, onto the row's latency path (docs/decisions.md).
+  auto weigh = [&](float (&f)[VEC], const Vec<W, VEC>& w) {
+    float wf[VEC];
+    to_floats(w, wf);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] *= weight_offset + wf[j];
+  };
+  if constexpr (!CAST) weigh(f0, w0), weigh(f1, w1);
+  const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
+  O* y = out + blockIdx.x * out_stride;
+  auto write = [&](float (&f)[VEC], const Vec<W, VEC>& w, int i) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] *= rstd;
+    if constexpr (CAST && kPackedMul<T> && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+      if (weight_offset == 0.f) return store_vec<O, VEC>(y, i, mul_rounded(from_floats<T>(f), w));
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if constexpr (CAST) f[j] = to_float(from_float<T>(f[j]));
+    }
+    if constexpr (CAST) weigh(f, w);
+    store_vec<O, VEC>(y, i, from_floats<O>(f));
+  };
+  if (has0) write(f0, w0, i0);
+  if (has1) write(f1, w1, i1);
+}
+
+// Eight keep a row of up to 8192 vectors in registers, where four re-read its tail
+// (docs/decisions.md).
+constexpr int kWideCachedVecs = 8;
+// Weight vectors the wide row kernel loads ahead of its writes: four spill in 16 bits
+// (docs/decisions.md).
+constexpr int kWideWeightAhead = 2;
+// Further vectors a thread of a wide row stages in dynamic shared memory (up to 128 KB a
+// block: all of it on sm_80 and sm_90, 99 KB on sm_86 and sm_89, none on sm_75, which has
+// no cp.async): the whole row stays on its SM. Rows the device cannot stage keep four
+// vectors and re-read their tail (docs/decisions.md).
+constexpr int kWideStagedVecs = 8;
+// Wide rows only where the weight and output are of the input's type: with 32-byte vectors of
+// an fp32 weight or output, eight vectors a thread spill.
+template <typename T, typename W, typename O>
+constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
+// Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
+// block of plain rows (0 when they fit in registers).
+inline std::size_t wide_staged_bytes(int64_t nvec) {
+  return static_cast<std::size_t>(std::max<int64_t>(nvec - kWideCachedVecs * max_block(false, false), 0)) * 16;
+}
+
+// Plain RMSNorm's wide rows (kWideCachedVecs), a block a row, with a weight of the input's
+// type (WEIGHTED) or none. The output may alias the weight, so a weight load waits for the
+// stores before it: the kernel loads kWideWeightAhead vectors ahead of its writes, the
+// first with the row. STAGED rows hold up to kWideCachedVecs more vectors a thread in
+// dynamic shared memory (see kWideStagedVecs), copied there without registers. In place
+// (out == input) stays correct as above. Past-the-end vectors stay out of the sum (zeroing
+// them spilled).
+template <typename T, int VEC, bool WEIGHTED, bool CAST, bool STAGED>
+__global__ void __launch_bounds__(max_block(false, false))
+    rms_norm_wide_row_kernel(const T* __restrict__ input, const T* weight, T* out, int64_t input_stride,
+                             int64_t out_stride, int nvec, float eps, float inv_cols, float weight_offset) {
+  __shared__ float scratch[32];
+  extern __shared__ uint4 staged_storage[];
+  Vec<T, VEC>* staged = reinterpret_cast<Vec<T, VEC>*>(staged_storage);  // vector i at i - kWideCachedVecs * blockDim.x
+  // The launch stages rows on sm_80 and later only (copy_to_shared): a trap before.
+  constexpr bool kStaged = STAGED && kDeviceArch >= 800;
+  if (STAGED && !kStaged) __trap();
+  constexpr int kVecs = kStaged ? 2 * kWideCachedVecs : kWideCachedVecs;
+  const T* x = input + blockIdx.x * input_stride;
+  const int cached_end = kWideCachedVecs * blockDim.x;
+  Vec<T, VEC> row[kWideCachedVecs];
+  Vec<T, VEC> w[kWideWeightAhead];
+#pragma unroll
+  for (int k = 0; k < kWideCachedVecs; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) row[k] = load_vec<T, VEC>(x, i);
+  }
+#pragma unroll
+  for (int k = kWideCachedVecs; k < kVecs; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) copy_to_shared(staged + (i - cached_end), x + static_cast<int64_t>(i) * VEC);
+  }
+#pragma unroll
+  for (int k = 0; k < kWideWeightAhead; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (WEIGHTED && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
+  }
+  // Vector k of this thread's part of the row (i < nvec); the inner test keeps row's index
+  // in range where k is a staged vector.
+  auto vec_at = [&](int k, int i) { return k < kWideCachedVecs ? row[k < kWideCachedVecs ? k : 0] : staged[i - cached_end]; };
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i >= nvec) break;
+    if (kStaged && k == kWideCachedVecs) wait_shared_copies();
+    float f[VEC];
+    to_floats(vec_at(k, i), f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
+  }
+  const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
+  T* y = out + blockIdx.x * out_stride;
+  // PAIRED: the Llama order without a weight offset multiplies the rounded row by the weight
+  // in 16-bit pairs (mul_rounded: the same result, the write in three instructions an
+  // element instead of six, sm_90 SASS; docs/decisions.md).
+  const auto write_row = [&](auto paired) {
+    constexpr bool PAIRED = decltype(paired)::value;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i >= nvec) break;
+      float f[VEC];
+      to_floats(vec_at(k, i), f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] *= rstd;
+      if constexpr (PAIRED) {
+        store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f), w[k % kWideWeightAhead]));
+      } else {
+        float wf[VEC];
+        if constexpr (WEIGHTED) to_floats(w[k % kWideWeightAhead], wf);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
+          if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
+        }
+        store_vec<T, VEC>(y, i, from_floats<T>(f));
+      }
+      const int next = i + kWideWeightAhead * blockDim.x;
+      if (WEIGHTED && k + kWideWeightAhead < kVecs && next < nvec) {
+        w[k % kWideWeightAhead] = load_vec<T, VEC>(weight, next);
+      }
+    }
+  };
+  if constexpr (WEIGHTED && CAST && kPackedMul<T>) {
+    if (weight_offset == 0.f) return write_row(std::true_type{});
+  }
+  write_row(std::false_type{});
+}
+
+// A block a row: the two-vector rows (cached == 2, with a weight) or the wide rows
+// (kWideCachedVecs).
+template <typename T, typename W, typename O, int VEC>
+void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(a.stats == nullptr && (a.weight != nullptr || cached == kWideCachedVecs),
+                        "rms_norm rows: no statistics, and a weight for two vectors a thread");
+  TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
+  const std::size_t staged = cached == kWideCachedVecs ? wide_staged_bytes(a.cols / VEC) : 0;
+  const auto run = [&](auto kernel) {
+    if (staged > 0) {  // asks for the shared memory beyond 48 KB
+      TORCH_CHECK(max_blocks_per_sm(reinterpret_cast<const void*>(kernel), a.device.index(), block, staged) > 0,
+                  "rms_norm: a row of ", a.cols, " does not fit one SM");
+    }
+    kernel<<<static_cast<unsigned>(a.rows), block, staged, stream>>>(static_cast<const T*>(a.input), static_cast<const W*>(a.weight),
+                                         static_cast<O*>(a.out), a.input_stride, a.out_stride,
+                                         static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset);
+    check_launch();
+  };
+  // Rounding an fp32 row to fp32 changes nothing: no second fp32 instantiation.
+  const bool cast = sizeof(T) == 2 && a.cast_before_weight;
+  if constexpr (kWideRows<T, W, O>) {
+    if (cached == kWideCachedVecs) {
+      const auto wide = [&](auto staged_rows) {
+        constexpr bool S = decltype(staged_rows)::value;
+        if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false, S>);
+        if constexpr (sizeof(T) == 2) {
+          if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true, S>);
+        }
+        return run(rms_norm_wide_row_kernel<T, VEC, true, false, S>);
+      };
+      return staged > 0 ? wide(std::true_type{}) : wide(std::false_type{});
+    }
+  }
+  TORCH_INTERNAL_ASSERT(cached == 2, "rms_norm rows: two or ", kWideCachedVecs, " vectors a thread");
+  if constexpr (sizeof(T) == 2) {
+    if (cast) return run(rms_norm_row_kernel<T, W, O, VEC, true>);
+  }
+  run(rms_norm_row_kernel<T, W, O, VEC, false>);
+}
+
+// An instantiation of norm_kernel over the rows, as `cfg` lays them out in blocks.
+template <typename T, typename W, typename O>
+void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& a, const RowLaunch& cfg,
+                      cudaStream_t stream) {
+  const int rows_per_block = cfg.block / cfg.threads_per_row;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  kernel<<<blocks, cfg.block, 0, stream>>>(make_params<T, W, O>(a), __builtin_ctz(cfg.threads_per_row));
+  check_launch();
+}
+
+// From this many rows per SM, four vectors a thread beat two (docs/decisions.md).
+constexpr int kTwoVecRowsPerSm = 64;
+// Rows of at most 128 vectors (D <= 1024 in 16 bits) take two vectors a thread at any batch:
+// 40 registers keep more rows per SM in flight than the four-vector kernel's 47. AdaLN only up
+// to 16 vectors, or up to 128 where its scale and shift preload and the row fills its threads
+// (a power of two of vectors) (docs/decisions.md).
+constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_t nvec) {
+  if (!modulate) return nvec <= 128;
+  const bool fills_threads = (nvec & (nvec - 1)) == 0;
+  return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
+}
+// Plain fp32 rows of four vectors share blocks of this many threads; 16-bit and fused rows
+// were slower so (docs/decisions.md).
+constexpr int kFp32FourVecBlock = 512;
+
+// The production launch of norm_kernel's instantiation <KIND, RESIDUAL, MODULATE, NORMED>,
+// or of the plain RMSNorm row kernels.
+template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE, bool NORMED = true>
+void launch(const NormArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec16<T>;
+  const bool vector = vectorizable<T, W, O, V>(a);
+  const int vec = vector ? V : 1;
+  const int64_t nvec = a.cols / vec;
+  const int64_t sms = sm_count(a.device.index());
+  const bool many_rows = two_rows_per_sm(a.rows, a.device.index());
+  const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
+                   10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
+  const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
+  // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).
+  int cached = kCachedVecs;
+  if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads) {
+    cached = 1;
+  } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
+             (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
+    cached = 2;
+  } else if (KIND == NormKind::kRms && !RESIDUAL && !MODULATE && kWideRows<T, W, O> && vector &&
+             a.stats == nullptr && nvec > kCachedVecs * (many_rows ? kTwoVecThreads : max_block(false, false)) &&
+             nvec <= (kWideCachedVecs + kWideStagedVecs) * max_block(false, false) &&
+             (wide_staged_bytes(nvec) == 0 ||
+              (arch >= 800 && wide_staged_bytes(nvec) + 32 * sizeof(float) <= max_shared_per_block(a.device.index())))) {
+    cached = kWideCachedVecs;
+  }
+  // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
+  // vector per thread of the four-vector kernel spreads each row over more threads
+  // (128x16384 bf16 takes 1024-thread rows); large batches want four (docs/decisions.md).
+  const int per_thread = cached == kCachedVecs && !many_rows ? 1 : cached;
+  const bool fp32_four_vec_rows = !RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs;
+  const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE),
+                                   fp32_four_vec_rows ? kFp32FourVecBlock : 0);
+  if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {
+    const bool row_kernel = (cached == 2 && a.weight != nullptr) || cached == kWideCachedVecs;
+    if (row_kernel && cfg.threads_per_row == cfg.block && a.stats == nullptr) {
+      return launch_rms_norm_rows<T, W, O, V>(a, cached, cfg.block, stream);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
+  const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
+  if constexpr (RESIDUAL) {
+    if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE, NORMED>);
+  } else {
+    if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE, NORMED>);
+  }
+  if (vector) {
+    run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE, NORMED>);
+  } else {
+    run(norm_kernel<T, W, O, 1, kCachedVecs, KIND, RESIDUAL, MODULATE, NORMED>);
+  }
+}
+
+}  // namespace ltx::norm_cuda

@@ -1,0 +1,271 @@
+// RoPE on CUDA (see rope.h): one block per (b, s) token (or per group of its heads, see
+// launch) rotates every head of q and k; each thread loads the token's cos/sin for its unit
+// of N channels once (8- or 16-byte vectors where alignment allows) and applies them to the
+// heads it owns, so the tables are read once per token, not once per head. The kernel and
+// its launch live here, in ltx::rope_cuda, for rope.cu and the tuning harness
+// benchmarks/rope_variants.cu.
+#pragma once
+
+#include "cuda_common.cuh"
+#include "rope.h"
+
+#include <algorithm>
+
+namespace ltx::rope_cuda {
+
+constexpr int kUnitThreads = 256;  // threads across one head's channels
+constexpr int kMaxBlock = 512;  // fp32 tables of rotate-half need more than 64 registers
+// The whole-groups kernel (see rope_kernel) takes a token of 32 + 8 heads, two a row of
+// threads, in one 320-thread block; four such blocks per SM (51 registers) keep enough
+// loads in flight.
+constexpr int kWholeGroupsBlock = 320;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kWholeGroupsMinBlocks = 3;  // sm_75 holds 1024 threads per SM
+#else
+constexpr int kWholeGroupsMinBlocks = 4;
+#endif
+constexpr int max_block(bool whole_groups) { return whole_groups ? kWholeGroupsBlock : kMaxBlock; }
+
+template <typename T>
+struct RopeRows {
+  T* out;
+  const T* in;
+  int64_t heads;
+  int64_t in_b, in_h, in_s, out_b, out_h, out_s;
+};
+
+template <typename T, typename C>
+struct RopeParams {
+  RopeRows<T> q, k;
+  const C* cos;  // [B or 1, S, R]
+  const C* sin;
+  int64_t table_b, table_s;
+  IntDivider seq;  // block x is token (x / seq, x % seq); B * S < 2^31 (the grid's bound)
+  int head_dim, rotary_dim;
+  bool inverse;
+};
+
+// The token's rows of one head, h over q's heads then k's: the per-token parts of the
+// offsets are added once per block, so a head costs a select and one multiply-add.
+template <typename T>
+struct TokenRows {
+  const T* q_in;
+  T* q_out;
+  const T* k_in;
+  T* k_out;
+  int64_t q_heads, q_in_h, q_out_h, k_in_h, k_out_h;
+
+  __device__ TokenRows(const RopeRows<T>& q, const RopeRows<T>& k, int64_t b, int64_t s)
+      : q_in(q.in + b * q.in_b + s * q.in_s),
+        q_out(q.out + b * q.out_b + s * q.out_s),
+        k_in(k.in + b * k.in_b + s * k.in_s),
+        k_out(k.out + b * k.out_b + s * k.out_s),
+        q_heads(q.heads),
+        q_in_h(q.in_h),
+        q_out_h(q.out_h),
+        k_in_h(k.in_h),
+        k_out_h(k.out_h) {}
+
+  __device__ const T* in(int64_t h) const { return h < q_heads ? q_in + h * q_in_h : k_in + (h - q_heads) * k_in_h; }
+  __device__ T* out(int64_t h) const { return h < q_heads ? q_out + h * q_out_h : k_out + (h - q_heads) * k_out_h; }
+
+  // Heads h0, h0 + 1, ... of one tensor: its rows from h0's on, a head stride apart.
+  struct Group {
+    const T* in;
+    T* out;
+    int64_t in_h, out_h;
+  };
+  __device__ Group group(int64_t h0) const {
+    return h0 < q_heads ? Group{in(h0), out(h0), q_in_h, q_out_h} : Group{in(h0), out(h0), k_in_h, k_out_h};
+  }
+};
+
+// The fp32 cos/sin of one unit of N channels, converted once and applied to every head
+// of the thread. Rotate-half pairs channel i (x1) with i + R/2 (x2):
+//   y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2;
+// interleaved pairs (2i, 2i + 1) inside the unit (only c1 and s1 used):
+//   y[2i] = x[2i] c[2i] - x[2i+1] s[2i], y[2i+1] = x[2i+1] c[2i+1] + x[2i] s[2i+1].
+// The inverse (the backward) is the transposed map: the pair's sines swap and negate.
+template <int N, bool INTERLEAVED>
+struct UnitTables {
+  float c1[N], s1[N], c2[N], s2[N];
+
+  template <typename C, bool ALIGNED>
+  __device__ void load(const C* cos, const C* sin, int i, int second, bool inverse) {
+    float sa[N], sb[N];
+    to_floats(load_n<C, N, ALIGNED>(cos + i), c1);
+    to_floats(load_n<C, N, ALIGNED>(sin + i), sa);
+    if constexpr (INTERLEAVED) {
+#pragma unroll
+      for (int e = 0; e < N; e += 2) {
+        s1[e] = inverse ? -sa[e + 1] : sa[e];
+        s1[e + 1] = inverse ? -sa[e] : sa[e + 1];
+      }
+    } else {
+      to_floats(load_n<C, N, ALIGNED>(cos + i + second), c2);
+      to_floats(load_n<C, N, ALIGNED>(sin + i + second), sb);
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        s1[e] = inverse ? -sb[e] : sa[e];
+        s2[e] = inverse ? -sa[e] : sb[e];
+      }
+    }
+  }
+
+  template <typename T>
+  __device__ void rotate(const Vec<T, N>& x1, const Vec<T, N>& x2, Vec<T, N>& y1, Vec<T, N>& y2) const {
+    float a[N], o[N], r1[N], r2[N];
+    to_floats(x1, a);
+    if constexpr (INTERLEAVED) {
+#pragma unroll
+      for (int e = 0; e < N; e += 2) {
+        r1[e] = a[e] * c1[e] - a[e + 1] * s1[e];
+        r1[e + 1] = a[e + 1] * c1[e + 1] + a[e] * s1[e + 1];
+      }
+    } else {
+      to_floats(x2, o);
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        r1[e] = a[e] * c1[e] - o[e] * s1[e];
+        r2[e] = o[e] * c2[e] + a[e] * s2[e];
+      }
+      y2 = from_floats<T>(r2);
+    }
+    y1 = from_floats<T>(r1);
+  }
+};
+
+// One block per (b, s) token and blockIdx.y. threadIdx.x walks the head's units of N
+// channels (pairs at i and i + R/2 for rotate-half, N/2 adjacent pairs for interleaved);
+// the rows of threads of the token's gridDim.y blocks walk groups of HEADS heads (q's,
+// then k's). A thread issues its first heads' loads before the tables' (which every head
+// row of the block shares, so they mostly hit L1/L2), so DRAM latency is paid once; it
+// converts the tables once for all the heads it rotates.
+// WHOLE_GROUPS: q's and k's head counts are multiples of HEADS, so a thread's heads lie in
+// one tensor, a head stride apart, and none is missing: no per-head select or test.
+template <typename T, typename C, int N, bool ALIGNED, bool INTERLEAVED, int HEADS, bool WHOLE_GROUPS>
+__global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWholeGroupsMinBlocks : 0)
+    rope_kernel(const RopeParams<T, C> p) {
+  const uint32_t b = p.seq.div(blockIdx.x);
+  const uint32_t s = blockIdx.x - b * p.seq.divisor;
+  const C* cos = p.cos + b * p.table_b + s * p.table_s;
+  const C* sin = p.sin + b * p.table_b + s * p.table_s;
+  const TokenRows<T> rows(p.q, p.k, b, s);
+  const int heads = static_cast<int>(p.q.heads + p.k.heads);
+
+  const int rotary_units = INTERLEAVED ? p.rotary_dim / N : p.rotary_dim / 2 / N;
+  // Rotate-half's second element of a pair sits half the rotary dim further on.
+  const int second = INTERLEAVED ? 0 : p.rotary_dim / 2;
+  for (int u = threadIdx.x; u < rotary_units; u += blockDim.x) {
+    const int i = u * N;
+    UnitTables<N, INTERLEAVED> tables;
+    const int first = (blockIdx.y * blockDim.y + threadIdx.y) * HEADS;
+    for (int h0 = first; h0 < heads; h0 += gridDim.y * blockDim.y * HEADS) {
+      const auto group = rows.group(h0);  // used only with WHOLE_GROUPS
+      auto row_in = [&](int j) { return WHOLE_GROUPS ? group.in + j * group.in_h : rows.in(h0 + j); };
+      auto row_out = [&](int j) { return WHOLE_GROUPS ? group.out + j * group.out_h : rows.out(h0 + j); };
+      Vec<T, N> x1[HEADS], x2[HEADS];
+#pragma unroll
+      for (int j = 0; j < HEADS; ++j) {
+        if (!WHOLE_GROUPS && h0 + j >= heads) continue;
+        const T* in = row_in(j);
+        x1[j] = load_n<T, N, ALIGNED>(in + i);
+        if constexpr (!INTERLEAVED) x2[j] = load_n<T, N, ALIGNED>(in + i + second);
+      }
+      if (h0 == first) tables.template load<C, ALIGNED>(cos, sin, i, second, p.inverse);
+#pragma unroll
+      for (int j = 0; j < HEADS; ++j) {
+        if (!WHOLE_GROUPS && h0 + j >= heads) continue;
+        Vec<T, N> y1, y2;
+        tables.rotate(x1[j], x2[j], y1, y2);
+        T* out = row_out(j);
+        store_n<T, N, ALIGNED>(out + i, y1);
+        if constexpr (!INTERLEAVED) store_n<T, N, ALIGNED>(out + i + second, y2);
+      }
+    }
+  }
+  // Channels past the rotary dim pass through (nothing to do in place). Most models rotate
+  // every channel: return before the loop rather than set up its per-head pointers for
+  // nothing (docs/decisions.md).
+  if (p.rotary_dim == p.head_dim) return;
+  for (int h = blockIdx.y * blockDim.y + threadIdx.y; h < heads; h += gridDim.y * blockDim.y) {
+    const T* in = rows.in(h);
+    T* out = rows.out(h);
+    if (out == in) continue;
+    if constexpr (ALIGNED) {
+      for (int i = p.rotary_dim + threadIdx.x * N; i < p.head_dim; i += blockDim.x * N) {
+        store_n<T, N, true>(out + i, load_n<T, N, true>(in + i));
+      }
+    } else {
+      for (int i = p.rotary_dim + threadIdx.x; i < p.head_dim; i += blockDim.x) out[i] = in[i];
+    }
+  }
+}
+
+template <typename T>
+RopeRows<T> rows_of(const RopeTensor& t) {
+  return {static_cast<T*>(t.out), static_cast<const T*>(t.in), t.heads, t.in_b, t.in_h, t.in_s,
+          t.out_b, t.out_h, t.out_s};
+}
+
+template <typename T, typename C, int N>
+bool vectorizable(const RopeArgs& a) {
+  const int64_t unit = a.interleaved ? a.rotary_dim : a.rotary_dim / 2;
+  bool ok = unit % N == 0 && (a.head_dim - a.rotary_dim) % N == 0 && a.table_b % N == 0 && a.table_s % N == 0 &&
+            aligned_to(a.cos, N * sizeof(C)) && aligned_to(a.sin, N * sizeof(C));
+  for (const RopeTensor* t : {&a.q, &a.k}) {
+    ok = ok && aligned_to(t->in, N * sizeof(T)) && aligned_to(t->out, N * sizeof(T));
+    for (int64_t s : {t->in_b, t->in_h, t->in_s, t->out_b, t->out_h, t->out_s}) ok = ok && s % N == 0;
+  }
+  return ok;
+}
+
+template <typename T, typename C, bool INTERLEAVED, int N, int HEADS, bool WHOLE_GROUPS = false>
+void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
+  // Threads over the units of a head first, then one row of threads per HEADS heads (up
+  // to the kernel's block bound), the heads spread over head_blocks blocks a token.
+  const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / N;
+  int tx = 1;
+  while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
+  const int64_t heads = a.q.heads + a.k.heads;
+  const int64_t blocks = a.batch * a.seq;
+  if (blocks == 0 || heads == 0) return;
+  const int64_t groups = (heads + HEADS - 1) / HEADS;
+  head_blocks = static_cast<int>(std::min<int64_t>(head_blocks, groups));  // no empty blocks
+  const int64_t groups_per_block = (groups + head_blocks - 1) / head_blocks;
+  const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_block(WHOLE_GROUPS) / tx));
+  TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
+  const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
+                           a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
+                           static_cast<int>(a.rotary_dim), a.inverse};
+  constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
+  const dim3 grid(static_cast<unsigned>(blocks), head_blocks);
+  rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<grid, dim3(tx, ty), 0, stream>>>(p);
+  check_launch();
+}
+
+template <typename T, typename C, bool INTERLEAVED>
+void launch(const RopeArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec16<T>;
+  if constexpr (INTERLEAVED) {
+    // Two heads per thread: LTX's q and k read their [B, S, C] fp32 tables (half the
+    // bytes it moves) once, where one head a thread read them twice (docs/decisions.md).
+    if (vectorizable<T, C, V>(a)) return launch_with<T, C, true, V, 2>(a, stream);
+    return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned
+  } else {
+    // 8-byte units of two heads each: a thread has 32 bytes of heads in flight and
+    // converts its two table vectors once for both. Few tokens spread their heads over
+    // four blocks (over more SMs). Head counts that are multiples of two take whole groups.
+    // Four-head units and 16-byte units of one head were slower (benchmarks/rope_variants.py,
+    // docs/decisions.md). fp32 takes the same 8-byte units.
+    constexpr int kHalfVec = V / 2;
+    if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
+    const int head_blocks = two_rows_per_sm(a.batch * a.seq, a.device.index()) ? 1 : 4;
+    if (a.q.heads % 2 == 0 && a.k.heads % 2 == 0) {
+      return launch_with<T, C, false, kHalfVec, 2, true>(a, stream, head_blocks);
+    }
+    return launch_with<T, C, false, kHalfVec, 2>(a, stream, head_blocks);
+  }
+}
+
+}  // namespace ltx::rope_cuda
