@@ -4,15 +4,14 @@ against this python's torch, as a shared library to load or (check_only) a cubin
 proves it compiles; and timing the candidates side by side."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
-import harness  # noqa: E402
-from builder.toolchain import find_nvcc, find_torch, python_include  # noqa: E402
+from benchmarks import harness
+from builder.toolchain import find_nvcc, find_torch, python_include
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build(source: Path, sm: str, out_dir: Path, check_only: bool = False) -> tuple[Path, list[str]]:

@@ -4,7 +4,7 @@ rotated past L2 (harness.py), % of the copy bandwidth measured in the same run, 
 variant's output checked bit-equal to the production kernel's first (HALF_TABLE variants
 too: the tables' halves are equal here, as in transformers').
 
-    python benchmarks/rope_variants.py [--variants 0/1,3/1,3/4] [--shapes big|small|all]
+    python -m benchmarks.tuning.rope_variants [--variants 0/1,3/1,3/4] [--shapes big|small|all]
 
 A variant is NUMBER/HEAD_BLOCKS (blocks a token's heads are spread over). The .cu is built
 with nvcc against this python's torch into .build-cache/rope_variants (about 30 s, sm of the
@@ -13,18 +13,17 @@ rope_rotate.cuh and confirm it with bench_ops.py on the package build.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
-import bench_ops  # noqa: E402
-import harness  # noqa: E402
-from variants_build import load, time_and_print  # noqa: E402
+from benchmarks import harness
+from benchmarks.ops import bench_ops
+from benchmarks.tuning.variants_build import load, time_and_print
 
-SOURCE = REPO / "benchmarks" / "rope_variants.cu"
+REPO = Path(__file__).resolve().parents[2]
+
+SOURCE = Path(__file__).with_name("rope_variants.cu")
 NAMES = {0: "production", 1: "4 heads, 160 threads", 2: "4 heads, left half of the tables",
          3: "2 heads, 320 threads", 4: "2 heads, 320 threads, 64 regs", 5: "4 heads, 2 tokens a block",
          6: "1 head, 8-byte units", 7: "1 head, 16-byte units", 8: "2 heads, 16-byte units"}

@@ -4,7 +4,7 @@ in one process: kernel time by CUDA-graph replay with inputs rotated past L2 (ha
 alternating the order between rounds, % of the copy bandwidth measured in the same run,
 and each variant's max error against fp64 next to production's.
 
-    python benchmarks/norm_variants.py [--variants 0/0,2/512,4/512] [--shapes fp32|all]
+    python -m benchmarks.tuning.norm_variants [--variants 0/0,2/512,4/512] [--shapes fp32|all]
 
 A variant is CACHED/BLOCK: 16-byte vectors a thread of `norm_kernel` (0: the package's
 launch) and the threads of a block that rows share (0: a block a row). The .cu is built with
@@ -14,17 +14,17 @@ norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package buil
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
-import harness  # noqa: E402
-from variants_build import load, time_and_print  # noqa: E402
+from benchmarks import harness
+from benchmarks.ops import bench_ops
+from benchmarks.tuning.variants_build import load, time_and_print
 
-SOURCE = REPO / "benchmarks" / "norm_variants.cu"
+REPO = Path(__file__).resolve().parents[2]
+
+SOURCE = Path(__file__).with_name("norm_variants.cu")
 # (rows, D, dtype, weighted): issue 4's rows where compile is the peer to beat, and the
 # neighbours a launch change for them would move.
 SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float32, True),
