@@ -140,25 +140,42 @@ def _run_one(job: Job) -> JobResult:
     return JobResult(job, cached=False, seconds=seconds, resources=parse_ptxas(proc.stderr))
 
 
-def run_jobs(jobs: list[Job], workers: int, prefix: str) -> list[JobResult]:
-    """Run jobs in parallel, printing one progress line per finished file."""
+def run_jobs(jobs: list[Job], workers: int, prefix: str, register_log: Path | None = None,
+             verbose: bool = False) -> list[JobResult]:
+    """Run jobs in parallel, printing one progress line per finished file. Each kernel's
+    registers and spills per arch go to ``register_log`` (and to stdout with ``verbose``);
+    a kernel that spills fails the build, named."""
     results: list[JobResult] = []
     width = len(str(len(jobs)))
+    table: list[str] = []
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         futures = [pool.submit(_run_one, j) for j in jobs]
         for i, fut in enumerate(futures, 1):
             res = fut.result()
             status = "up to date" if res.cached else f"{res.seconds:5.1f}s"
             print(f"[{prefix} {i:>{width}}/{len(jobs)}] {res.job.label}  {status}", flush=True)
-            for r in res.resources:
-                print(f"      {r.arch:6s} regs {r.registers:3d}  stack {r.stack:4d}B  "
-                      f"spill {r.spill_stores}/{r.spill_loads}B  {r.kernel}", flush=True)
+            rows = [f"{r.arch:6s} regs {r.registers:3d}  stack {r.stack:4d}B  spill {r.spill_stores}/{r.spill_loads}B  "
+                    f"{r.kernel}" for r in res.resources]
+            table += [f"{res.job.label}"] + [f"      {row}" for row in rows]
+            if verbose and rows:
+                print("\n".join(f"      {row}" for row in rows), flush=True)
             results.append(res)
-    spilling = [r for res in results for r in res.resources if r.spills]
+    if register_log is not None:
+        register_log.parent.mkdir(parents=True, exist_ok=True)
+        register_log.write_text("\n".join(table) + "\n")
+    resources = [r for res in results for r in res.resources]
+    spilling = [r for r in resources if r.spills]
     if spilling:
         lines = "\n".join(f"  {r.arch} {r.kernel}: {r.spill_stores} B stores, {r.spill_loads} B loads"
                           for r in spilling)
         raise CompileError(f"kernels spill registers to local memory (every kernel here is hot):\n{lines}")
+    if resources:
+        most: dict[str, int] = {}
+        for r in resources:
+            most[r.arch] = max(most.get(r.arch, 0), r.registers)
+        where = f"; per kernel: {register_log}" if register_log is not None and not verbose else ""
+        print(f"[{prefix}] {len(resources)} kernels compiled, none spills; most registers "
+              + ", ".join(f"{arch} {most[arch]}" for arch in sorted(most, key=lambda a: int(a[3:].rstrip("a")))) + where, flush=True)
     return results
 
 
