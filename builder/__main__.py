@@ -4,10 +4,12 @@
     python -m builder --backend cpu   # only the CPU variant
     python -m builder --clean         # forget cached objects first
 
-It does what `nix run .#build-and-copy` does for users with Nix, without Nix: compiles
-the CUDA variant (sm_75, sm_80, sm_90 + PTX) and the CPU variant against the installed
-torch with the Python limited API, generates registration.h, _ops.py and metadata.json,
-and refuses to finish if a kernel spills or a .so fails the ABI check."""
+It does what `nix run .#build-and-copy` does for users with Nix, without Nix: reads
+build.toml (kernel-builder edition 6; refuses what kernel-builder would refuse),
+compiles the CUDA variant (SASS for each of build.toml's cuda-capabilities, PTX for
+those written "+PTX") and the CPU variant against the installed torch with the Python
+limited API, generates registration.h, _ops.py and metadata.json, and refuses to
+finish if a kernel spills on any arch or a .so fails the ABI check."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ if sys.version_info < (3, 11):
 
 from . import generate
 from .compile import CompileError, Job, link, run_jobs
-from .config import BuildConfig, ConfigError, load_config
+from .config import BuildConfig, ConfigError, load_config, split_capability
 from .toolchain import (Nvcc, Torch, ToolchainError, find_cxx, find_nvcc, find_torch,
                         needed_libraries, python_include, variant_name)
 
@@ -61,16 +63,20 @@ def write_if_changed(path: Path, text: str) -> None:
 
 
 def gencode_flags(caps: tuple[str, ...]) -> list[str]:
+    """SASS for every capability; PTX as well only for those written "X.Y+PTX"
+    (kernel-builder's rule)."""
     flags = []
-    for i, cap in enumerate(caps):
-        sm = cap.replace(".", "")
-        code = f"[sm_{sm},compute_{sm}]" if i == len(caps) - 1 else f"sm_{sm}"
+    for cap in caps:
+        bare, ptx = split_capability(cap)
+        sm = bare.replace(".", "")
+        code = f"[sm_{sm},compute_{sm}]" if ptx else f"sm_{sm}"
         flags += ["-gencode", f"arch=compute_{sm},code={code}"]
     return flags
 
 
 def arch_label(caps: tuple[str, ...]) -> str:
-    return " ".join(f"sm_{c.replace('.', '')}" for c in caps) + "+PTX"
+    """"sm_75 sm_80 sm_90+PTX" for ("7.5", "8.0", "9.0+PTX")."""
+    return " ".join("sm_" + cap.replace(".", "") for cap in caps)
 
 
 def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: str,
@@ -82,6 +88,7 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
     write_if_changed(gen_dir / "registration.h", generate.registration_header())
 
     includes = [f"-I{ABI_SHIM}", f"-I{gen_dir}", f"-I{cfg.root / 'torch-ext'}"]
+    includes += list(dict.fromkeys(f"-I{cfg.root / d}" for d in cfg.torch_include))
     includes += list(dict.fromkeys(f"-I{cfg.root / d}" for k in cfg.kernels_for(backend) for d in k.include))
     for d in (*torch.include_dirs, python_include()):
         includes += ["-isystem", str(d)]
@@ -101,9 +108,11 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
                   *defines, *extra, *includes, "-c", str(cfg.root / src), "-o", str(obj)]
         if src.endswith(".cu"):
             assert nvcc is not None
-            # One nvcc thread per arch; a fixed count keeps the command (and the cache) stable.
+            # nvcc compiles the archs in parallel, one thread each, up to the machine's cores
+            # (a count fixed per machine keeps the command, and so the cache, stable).
+            threads = min(len(caps), os.cpu_count() or 1)
             cmd = [str(nvcc.path), f"-ccbin={cxx}", *gencode_flags(caps), "-Xptxas=-v", "-lineinfo",
-                   f"--threads={len(caps)}", "-Xcompiler=-fPIC", *common]
+                   f"--threads={threads}", "-Xcompiler=-fPIC", *common]
             label = f"{src}  {arch_label(caps)}"
         else:
             cmd = [cxx, "-fPIC", "-Wall", "-Wno-unknown-pragmas", *common]
@@ -196,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(ROOT)
         torch = find_torch()
+        if reason := cfg.torch_supported(torch.version):
+            raise ConfigError(reason)
         nvcc = find_nvcc()
         backends = choose_backends(cfg, torch, nvcc, args.backend)
         if args.clean:

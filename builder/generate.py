@@ -58,17 +58,17 @@ def ops_py(ext: str) -> str:
 
 
 def metadata_json(cfg: BuildConfig, backend: str, ext: str) -> str:
+    """What kernels reads from metadata.json: the CUDA archs exactly as build.toml writes
+    them (PTX only where "+PTX" is written, as kernel-builder records it)."""
     backend_info: dict = {"type": backend}
     if backend == "cuda":
-        caps = list(cfg.capabilities())
-        caps[-1] += "+PTX"  # the newest arch also ships PTX for newer GPUs
-        backend_info["archs"] = caps
+        backend_info["archs"] = list(cfg.capabilities())
     meta = {
         "name": cfg.name,
         "id": ext,
         "version": cfg.version,
         "license": cfg.license,
-        "python-depends": [],
+        "python-depends": list(cfg.python_depends),
         "backend": backend_info,
     }
     return json.dumps(meta, indent=2) + "\n"
