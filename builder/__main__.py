@@ -8,8 +8,8 @@ It does what `nix run .#build-and-copy` does for users with Nix, without Nix: re
 build.toml (kernel-builder edition 6; refuses what kernel-builder would refuse),
 compiles the CUDA variant (SASS for each of build.toml's cuda-capabilities, PTX for
 those written "+PTX") and the CPU variant against the installed torch with the Python
-limited API, generates registration.h, _ops.py and metadata.json, and refuses to
-finish if a kernel spills on any arch or a .so fails the ABI check."""
+limited API, generates registration.h, _ops.py and metadata.json (with the digest kernels
+checks), and refuses to finish if a kernel spills on any arch or a .so fails the ABI check."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 if sys.version_info < (3, 11):
     sys.exit("builder: needs Python >= 3.11 (for tomllib); the built kernels load on 3.9+")
 
-from . import generate
+from . import digest, generate
 from .compile import CompileError, Job, link, run_jobs
 from .config import BuildConfig, ConfigError, load_config, split_capability
 from .toolchain import (Nvcc, Torch, ToolchainError, find_cxx, find_nvcc, find_torch,
@@ -139,7 +139,8 @@ def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: st
     shutil.copytree(cfg.package_dir, tmp, ignore=shutil.ignore_patterns("__pycache__", "_ops.py"))
     shutil.copy2(so_path, tmp / so_name)
     (tmp / "_ops.py").write_text(generate.ops_py(ext))
-    (tmp / "metadata.json").write_text(generate.metadata_json(cfg, backend, ext))
+    # metadata.json last: its digest covers every other file of the folder.
+    (tmp / "metadata.json").write_text(generate.metadata_json(cfg, backend, ext, digest.hash_variant(tmp)))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir

@@ -57,9 +57,11 @@ def ops_py(ext: str) -> str:
     return OPS_PY.format(ext=ext)
 
 
-def metadata_json(cfg: BuildConfig, backend: str, ext: str) -> str:
+def metadata_json(cfg: BuildConfig, backend: str, ext: str, digest: dict) -> str:
     """What kernels reads from metadata.json: the CUDA archs exactly as build.toml writes
-    them (PTX only where "+PTX" is written, as kernel-builder records it)."""
+    them (PTX only where "+PTX" is written, as kernel-builder records it), and the digest
+    of the variant's other files (`digest.hash_variant`), which kernels 0.18+ checks on
+    every load and warns without."""
     backend_info: dict = {"type": backend}
     if backend == "cuda":
         backend_info["archs"] = list(cfg.capabilities())
@@ -70,5 +72,6 @@ def metadata_json(cfg: BuildConfig, backend: str, ext: str) -> str:
         "license": cfg.license,
         "python-depends": list(cfg.python_depends),
         "backend": backend_info,
+        "digest": digest,
     }
     return json.dumps(meta, indent=2) + "\n"

@@ -209,7 +209,7 @@ def test_blackwell_capabilities_are_read_as_written(project):
     edit(project, CAPS_LINE, 'cuda-capabilities = ["12.0+PTX", "7.5", "8.0", "9.0", "10.0"]', count=3)
     cfg = load_config(project)
     assert cfg.capabilities() == ("7.5", "8.0", "9.0", "10.0", "12.0+PTX")
-    meta = json.loads(generate.metadata_json(cfg, "cuda", "_x"))
+    meta = json.loads(generate.metadata_json(cfg, "cuda", "_x", {"algorithm": "sha256", "files": {}}))
     assert meta["backend"]["archs"] == ["7.5", "8.0", "9.0", "10.0", "12.0+PTX"]
 
 
