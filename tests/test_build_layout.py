@@ -14,16 +14,22 @@ from conftest import REPO, TARGETS, load_variant
 sys.path.insert(0, str(REPO))
 from builder import digest, generate  # noqa: E402
 from builder.config import load_config  # noqa: E402
-from builder.toolchain import needed_libraries  # noqa: E402
+from builder.toolchain import Torch, find_nvcc, needed_libraries, variant_name  # noqa: E402
 
 BACKENDS = sorted({b for b, _ in TARGETS})
 CAPABILITIES = ["7.5", "8.0", "9.0+PTX"]
 
 
 def expected_variant(backend: str) -> str:
-    """The legacy name: every kernels release reads it."""
+    """The legacy name (every kernels release reads it); a CUDA variant carries the CUDA of
+    the toolkit that built it (nvcc's, no newer than torch's)."""
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    compute = "cpu" if backend == "cpu" else "cu" + "".join(torch.version.cuda.split(".")[:2])
+    if backend == "cpu":
+        compute = "cpu"
+    else:
+        nvcc = find_nvcc()
+        cuda = f"{nvcc.version[0]}.{nvcc.version[1]}" if nvcc else torch.version.cuda
+        compute = "cu" + "".join(cuda.split(".")[:2])
     return f"torch{major}{minor}-cxx11-{compute}-x86_64-linux"
 
 
@@ -70,8 +76,42 @@ def test_legacy_names_are_the_new_names_to_kernels():
             assert not isinstance(variants.parse_variant(new), variants.ArchVariant)
 
 
-def test_metadata_is_what_kernels_reads(tmp_path):
-    """The metadata.json the builder writes (for any torch: it does not depend on torch's
+TORCH_215 = Torch(version=(2, 15), cuda="13.2", cxx11_abi=True, include_dirs=(), lib_dir=Path(),
+                  release="2.15.0+cu132")
+
+
+@pytest.mark.parametrize("system_cuda", ["13.0", "13.2"])
+def test_release_variants_for_torch_215_are_what_kernels_resolves_there(system_cuda):
+    """Without building for torch 2.15 (CI builds only the installed torch): the names the
+    release build gives torch 2.15.0's variants (built with nvcc 13.0; PyPI's torch 2.15.0
+    is a CUDA 13.2 build, the PyTorch index also has 13.0) are what kernels 0.19's resolver
+    picks for an environment with torch 2.15, and not for one with torch 2.14."""
+    import inspect
+
+    from packaging.version import Version
+
+    variants = variants_module()
+    backends = kernels_module("backends")
+    CPU, CUDA = backends.CPU, backends.CUDA
+
+    names = {b: variant_name(TORCH_215, b, "13.0") for b in ("cuda", "cpu")}
+    assert names == {"cuda": "torch215-cxx11-cu130-x86_64-linux", "cpu": "torch215-cxx11-cpu-x86_64-linux"}
+    built = [variants.parse_variant(n) for n in [*names.values(), expected_variant("cpu")]]
+    system = dict(cpu="x86_64", os="linux", torch_cxx11_abi=True, tvm_ffi_version=None)
+    if "python_version" in inspect.signature(variants._resolve_variant_for_system).parameters:
+        system["python_version"] = Version("3.11")
+    for backend, selected in (("cuda", CUDA(version=Version(system_cuda))), ("cpu", CPU())):
+        chosen, trace = variants._resolve_variant_for_system(
+            built, selected_backend=selected, torch_version=Version("2.15"), **system)
+        assert chosen and chosen[0].variant_str == names[backend], trace
+        chosen, _ = variants._resolve_variant_for_system(
+            [variants.parse_variant(names[backend])], selected_backend=selected, torch_version=Version("2.14"),
+            **system)
+        assert chosen == []
+
+
+def test_release_metadata_is_what_kernels_reads(tmp_path):
+    """The metadata.json the builder writes for any torch (it does not depend on torch's
     version): kernels parses it, its archs cover the GPUs they should, and its digest
     verifies the folder it was made for."""
     from kernels._rust import Metadata

@@ -14,7 +14,7 @@ sys.path.insert(0, str(REPO))
 from builder.__main__ import gencode_flags  # noqa: E402
 from builder.compile import parse_ptxas  # noqa: E402
 from builder.config import KNOWN_CAPABILITIES, ConfigError, check_with_kernels, load_config  # noqa: E402
-from builder.toolchain import Torch, variant_name  # noqa: E402
+from builder.toolchain import Torch, find_torch, variant_name  # noqa: E402
 
 CAPABILITIES = ("7.5", "8.0", "9.0+PTX")
 
@@ -260,6 +260,74 @@ def test_variant_names_match_what_kernels_loads():
     torch = Torch(version=(2, 11), cuda="13.0", cxx11_abi=True, include_dirs=(), lib_dir=Path())
     assert variant_name(torch, "cuda") == "torch211-cxx11-cu130-x86_64-linux"
     assert variant_name(torch, "cpu") == "torch211-cxx11-cpu-x86_64-linux"
+    # A CUDA variant is named after the toolkit that built it, which may be older than torch's.
+    torch215 = Torch(version=(2, 15), cuda="13.2", cxx11_abi=True, include_dirs=(), lib_dir=Path())
+    assert variant_name(torch215, "cuda", "13.0") == "torch215-cxx11-cu130-x86_64-linux"
+
+
+def test_cuda_variant_needs_an_nvcc_no_newer_than_torchs_cuda(capsys):
+    """The CUDA variant is named after nvcc's CUDA; kernels loads a cu<X.Y> variant only
+    under a torch built for CUDA X.Y or a later X minor, so nvcc 13.0 serves torch's 13.2."""
+    from builder.__main__ import choose_backends
+    from builder.toolchain import Nvcc, ToolchainError
+
+    cfg = load_config(REPO)
+    torch132 = Torch(version=(2, 15), cuda="13.2", cxx11_abi=True, include_dirs=(), lib_dir=Path())
+    torch130 = Torch(version=(2, 14), cuda="13.0", cxx11_abi=True, include_dirs=(), lib_dir=Path())
+    nvcc130 = Nvcc(Path("nvcc"), (13, 0), Path("/usr/local/cuda"))
+    nvcc132 = Nvcc(Path("nvcc"), (13, 2), Path("/usr/local/cuda"))
+    assert choose_backends(cfg, torch132, nvcc130, "all") == ["cuda", "cpu"]
+    assert choose_backends(cfg, torch130, nvcc132, "auto") == ["cpu"]
+    assert "nvcc 13.2 is newer than torch's CUDA 13.0" in capsys.readouterr().out
+    with pytest.raises(ToolchainError, match="kernels would not load a cu132 variant under this torch"):
+        choose_backends(cfg, torch130, nvcc132, "all")
+
+
+def test_release_env_is_reused_once_ready(tmp_path, monkeypatch):
+    """An environment whose marker names what it holds is used as it is: no pip run."""
+    from builder import release
+
+    env = tmp_path / ".release-envs" / "torch-2.15.0"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").write_text("")
+    (env / release.READY).write_text("\n".join(release.requirements("2.15.0")) + "\n")
+    monkeypatch.setattr(release.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+    assert release.ensure_env(tmp_path, "2.15.0").path == env
+
+
+def test_release_env_installs_with_its_own_constraints(tmp_path, monkeypatch):
+    """pip in a release environment gets that environment's constraints file (the
+    machine's pip.conf may cap torch); the machine's configuration is left alone."""
+    from builder import release
+
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, kwargs.get("env")))
+        if cmd[1:3] == ["-m", "venv"]:
+            (Path(cmd[3]) / "bin").mkdir(parents=True)
+            (Path(cmd[3]) / "bin" / "python").write_text("")
+        return __import__("subprocess").CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(release.subprocess, "run", run)
+    env = release.ensure_env(tmp_path, "2.15.0")
+    (venv_cmd, _), (pip_cmd, pip_env) = calls
+    assert venv_cmd[1:] == ["-m", "venv", str(env.path)]
+    assert pip_cmd[-2:] == ["torch==2.15.0", f"kernels=={release.RELEASE_KERNELS}"]
+    assert pip_env["PIP_CONSTRAINT"] == str(env.path / "constraints.txt")
+    assert (env.path / "constraints.txt").read_text() == "torch==2.15.0\n"
+    assert (env.path / release.READY).is_file()
+
+
+def test_torch_is_read_without_importing_it():
+    """find_torch reads version.py and libc10.so; the values are what torch says itself."""
+    torch = pytest.importorskip("torch")
+    found = find_torch()
+    assert found.release == torch.__version__
+    assert found.version == tuple(int(v) for v in torch.__version__.split(".")[:2])
+    assert found.cuda == torch.version.cuda
+    assert found.cxx11_abi == torch.compiled_with_cxx11_abi()
+    assert found.lib_dir == Path(torch.__file__).parent / "lib"
 
 
 PTXAS_LOG = """\
