@@ -57,18 +57,21 @@ def ops_py(ext: str) -> str:
     return OPS_PY.format(ext=ext)
 
 
-def metadata_json(cfg: BuildConfig, backend: str, ext: str) -> str:
+def metadata_json(cfg: BuildConfig, backend: str, ext: str, digest: dict) -> str:
+    """What kernels reads from metadata.json: the CUDA archs exactly as build.toml writes
+    them (PTX only where "+PTX" is written, as kernel-builder records it), and the digest
+    of the variant's other files (`digest.hash_variant`), which kernels 0.18+ checks on
+    every load and warns without."""
     backend_info: dict = {"type": backend}
     if backend == "cuda":
-        caps = list(cfg.capabilities())
-        caps[-1] += "+PTX"  # the newest arch also ships PTX for newer GPUs
-        backend_info["archs"] = caps
+        backend_info["archs"] = list(cfg.capabilities())
     meta = {
         "name": cfg.name,
         "id": ext,
         "version": cfg.version,
         "license": cfg.license,
-        "python-depends": [],
+        "python-depends": list(cfg.python_depends),
         "backend": backend_info,
+        "digest": digest,
     }
     return json.dumps(meta, indent=2) + "\n"
