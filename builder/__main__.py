@@ -129,11 +129,12 @@ def compile_jobs(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: str
 
 
 def build_variant(cfg: BuildConfig, torch: Torch, nvcc: Nvcc | None, backend: str,
-                  uid: str, workers: int, cache_root: Path | None = None) -> Path:
+                  uid: str, workers: int, cache_root: Path | None = None, verbose: bool = False) -> Path:
     variant = variant_name(torch, backend, nvcc.cuda if backend == "cuda" and nvcc else None)
     cache = (cache_root or cfg.root / ".build-cache") / variant
     ext = generate.extension_name(cfg, backend, uid)
-    results = run_jobs(compile_jobs(cfg, torch, nvcc, backend, ext, cache), workers, backend)
+    results = run_jobs(compile_jobs(cfg, torch, nvcc, backend, ext, cache), workers, backend,
+                       register_log=cache / "registers.txt", verbose=verbose)
     cxx = find_cxx()
 
     so_name = f"{ext}.abi3.so"
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: every backend this machine can build (default); all: fail if one cannot")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     parser.add_argument("--clean", action="store_true", help="delete cached objects and build/ first")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print each kernel's registers and spills per arch "
+                             "(always written to .build-cache/<variant>/registers.txt)")
     parser.add_argument("--release", action="store_true",
                         help=f"build both variants for each release torch ({', '.join(release.RELEASE_TORCH)}), "
                              "each in its own environment under .release-envs/, and check each loads")
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         backends = choose_backends(cfg, torch, nvcc, args.backend)
         for backend in backends:
             start = time.monotonic()
-            out = build_variant(cfg, torch, nvcc, backend, uid, args.jobs)
+            out = build_variant(cfg, torch, nvcc, backend, uid, args.jobs, verbose=args.verbose)
             print(f"[builder] {out.relative_to(ROOT)} ready in {time.monotonic() - start:.0f}s", flush=True)
     except (ConfigError, ToolchainError, CompileError) as e:
         print(f"builder: {e}", file=sys.stderr)

@@ -154,8 +154,8 @@ def run_jobs(jobs: list[Job], workers: int, prefix: str, register_log: Path | No
             res = fut.result()
             status = "up to date" if res.cached else f"{res.seconds:5.1f}s"
             print(f"[{prefix} {i:>{width}}/{len(jobs)}] {res.job.label}  {status}", flush=True)
-            rows = [f"{r.arch:6s} regs {r.registers:3d}  stack {r.stack:4d}B  spill {r.spill_stores}/{r.spill_loads}B  "
-                    f"{r.kernel}" for r in res.resources]
+            rows = [f"{r.arch:6s} regs {r.registers:3d}  stack {r.stack:4d}B  "
+                    f"spill {r.spill_stores}/{r.spill_loads}B  {r.kernel}" for r in res.resources]
             table += [f"{res.job.label}"] + [f"      {row}" for row in rows]
             if verbose and rows:
                 print("\n".join(f"      {row}" for row in rows), flush=True)
@@ -173,9 +173,10 @@ def run_jobs(jobs: list[Job], workers: int, prefix: str, register_log: Path | No
         most: dict[str, int] = {}
         for r in resources:
             most[r.arch] = max(most.get(r.arch, 0), r.registers)
+        archs = sorted(most, key=lambda a: int(a[3:].rstrip("a")))
         where = f"; per kernel: {register_log}" if register_log is not None and not verbose else ""
-        print(f"[{prefix}] {len(resources)} kernels compiled, none spills; most registers "
-              + ", ".join(f"{arch} {most[arch]}" for arch in sorted(most, key=lambda a: int(a[3:].rstrip("a")))) + where, flush=True)
+        print(f"[{prefix}] {len({r.kernel for r in resources})} kernels on {', '.join(archs)}, none spills; most "
+              f"registers {max(most.values())}{where}", flush=True)
     return results
 
 

@@ -11,10 +11,9 @@ import torch
 
 from conftest import REPO, TARGETS, load_variant
 
-sys.path.insert(0, str(REPO))
-from builder import digest, generate  # noqa: E402
-from builder.config import load_config  # noqa: E402
-from builder.toolchain import Torch, find_nvcc, needed_libraries, variant_name  # noqa: E402
+from builder import digest, generate
+from builder.config import load_config
+from builder.toolchain import Torch, find_nvcc, needed_libraries, variant_name
 
 BACKENDS = sorted({b for b, _ in TARGETS})
 CAPABILITIES = ["7.5", "8.0", "9.0+PTX"]

@@ -9,9 +9,8 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO))
-from builder.compile import Job, run_jobs  # noqa: E402
-from builder.toolchain import ToolchainError, find_cxx  # noqa: E402
+from builder.compile import Job, run_jobs
+from builder.toolchain import ToolchainError, find_cxx
 
 
 @pytest.fixture

@@ -10,11 +10,10 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO))
-from builder.__main__ import gencode_flags  # noqa: E402
-from builder.compile import parse_ptxas  # noqa: E402
-from builder.config import KNOWN_CAPABILITIES, ConfigError, check_with_kernels, load_config  # noqa: E402
-from builder.toolchain import Torch, find_torch, variant_name  # noqa: E402
+from builder.__main__ import gencode_flags
+from builder.compile import parse_ptxas
+from builder.config import KNOWN_CAPABILITIES, ConfigError, check_with_kernels, load_config
+from builder.toolchain import Torch, find_torch, variant_name
 
 CAPABILITIES = ("7.5", "8.0", "9.0+PTX")
 
