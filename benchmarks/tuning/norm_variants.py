@@ -1,5 +1,5 @@
 """Candidate launches of plain RMSNorm rows (norm_variants.cu) against the production launch
-and torch.compile of the reference (the fastest peer at issue 4's fp32 rows), on a CUDA GPU,
+and torch.compile of the reference (the fastest peer at the fp32 model-shape rows), on a CUDA GPU,
 in one process: kernel time by CUDA-graph replay with inputs rotated past L2 (harness.py),
 alternating the order between rounds, % of the copy bandwidth measured in the same run,
 and each variant's max error against fp64 next to production's.
@@ -25,7 +25,7 @@ from benchmarks.tuning.variants_build import load, time_and_print
 REPO = Path(__file__).resolve().parents[2]
 
 SOURCE = Path(__file__).with_name("norm_variants.cu")
-# (rows, D, dtype, weighted): issue 4's rows where compile is the peer to beat, and the
+# (rows, D, dtype, weighted): the model-shape rows where compile is the peer to beat, and the
 # neighbours a launch change for them would move.
 SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float32, True),
                    (1024, 2048, torch.float32, True), (4096, 4096, torch.float32, True),

@@ -64,11 +64,10 @@ def _host(module) -> type:
 
 def _under_torch_compile() -> bool:
     """True while torch.compile traces (any backend): the transformers layers then run the
-    host's code. Inductor fuses a norm, a rotation or a GELU with the residual add, casts and reshapes
-    around it into one kernel, which a custom op splits; a Qwen3-8B decode step is
-    launch-bound, and with our ops compiled in it ran at 36 tokens/s against compile's 60
-    (H200). The diffusers layers fuse more than inductor does (a whole LTX block prologue)
-    and stay."""
+    host's code. Inductor fuses a norm, a rotation or a GELU with the residual add, casts
+    and reshapes around it into one kernel, which a custom op splits: a launch-bound decode
+    step loses (docs/decisions.md). The diffusers layers fuse more than inductor does (a
+    whole LTX block prologue) and stay."""
     return torch.compiler.is_compiling()
 
 
@@ -239,9 +238,9 @@ class DiffusersGELU(nn.Module):
     LoRA wrapper: those work through its forward, which this path does not call) with a
     bias, fp16 or bf16, and no grad to record, the GELU runs in the projection GEMM's
     epilogue (cuBLASLt through ``torch._addmm_activation``, which applies the tanh form on
-    CUDA and rounds once), eager or compiled (inductor keeps the call): LTX 2B's FF
-    [5376, 2048] x [2048, 8192] took 290.6 us against 321.1 us for the linear and GELU on
-    the H200. That op has no autograd, and on the CPU it applies the erf form. Otherwise:
+    CUDA and rounds once), eager or compiled (inductor keeps the call): one pass over the
+    projection's output fewer (docs/decisions.md). That op has no autograd, and on the CPU
+    it applies the erf form. Otherwise:
     ``proj``, then our `gelu` in one pass, or under torch.compile the host's code (inductor
     fuses the bias and the GELU into one kernel itself)."""
 
