@@ -301,7 +301,8 @@ inline at::Tensor backward_args(NormBackwardArgs& b, const NormArgs& a, Checker&
   b.grad_fp32 = grad_out.scalar_type() == at::kFloat && is_16bit(a.dtype);
   TORCH_CHECK(!b.grad_fp32 || grad_fp32_allowed, c.op, ": grad_out has dtype float32 but input has dtype ", a.dtype,
               " (a float32 grad_out needs a float32 weight)");
-  b.grad_out_stride = c.like_input(grad_out, "grad_out", grad_out.scalar_type());
+  // grad_out has the output's dtype: the input's, or fp32 where an fp32 weight made the output fp32.
+  b.grad_out_stride = c.like_input(grad_out, "grad_out", b.grad_fp32 ? at::kFloat : a.dtype);
   b.grad_out = grad_out.const_data_ptr();
   if (grad_extra.has_value()) {
     b.grad_extra_stride = c.like_input(*grad_extra, grad_extra_name, a.dtype);

@@ -462,3 +462,25 @@ def test_column_grads_are_deterministic(kernel, device):
             again = torch.autograd.grad(fn(), inputs, g)
             for a, b in zip(first, again):
                 assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_raw_norm_backward_ops_refuse_a_grad_out_of_another_dtype(kernel, device, dtype):
+    """The backward ops are public (kernel.ops): a grad_out whose dtype is not the output's
+    would be read as the input's dtype, past its buffer's end."""
+    x, residual = (torch.randn(3, 5, 64, device=device, dtype=dtype) for _ in range(2))
+    weight = torch.randn(64, device=device, dtype=dtype)
+    gate, scale, shift = (torch.randn(3, 1, 64, device=device, dtype=dtype) for _ in range(3))
+    calls = {
+        "rms_norm_backward": lambda g: kernel.ops.rms_norm_backward(g, x, weight, 1e-6, 0.0, False, None),
+        "adaln_backward": lambda g: kernel.ops.adaln_backward(g, x, scale, shift, 1e-6, "layer", None),
+        "gated_residual_backward": lambda g: kernel.ops.gated_residual_backward(g, x, gate),
+        "gated_residual_adaln_backward": lambda g: kernel.ops.gated_residual_adaln_backward(
+            g, torch.zeros_like(x), residual, x, gate, scale, shift, 1e-6, "rms"),
+    }
+    for name, call in calls.items():
+        call(torch.randn_like(x))  # the output's dtype is taken
+        for other in DTYPES:
+            if other != dtype:
+                with pytest.raises(RuntimeError, match=rf"{name}: grad_out has dtype"):
+                    call(torch.randn_like(x, dtype=other))
