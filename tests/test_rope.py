@@ -138,6 +138,11 @@ def test_inplace_and_out_together_are_refused(kernel, device):
         kernel.rope_rotate_half(q, k, cos, sin, inplace=True, out=(q, k))
     with pytest.raises(ValueError, match="a pair"):
         kernel.rope_rotate_half(q, k, cos, sin, out=(q,))
+    for fn, args in ((kernel.rope_rotate_half, (q, k, cos, sin)), (kernel.rope_interleaved, (q, k, cos, sin)),
+                     (kernel.qk_norm_rope, (q.flatten(1), k.flatten(1), None, None, cos, sin))):
+        for out in ((None, None), (q, None), ([q], k)):
+            with pytest.raises(TypeError, match=r"out must be a pair of tensors \(q_out, k_out\), got"):
+                fn(*args, out=out)
 
 
 def test_misaligned_views_take_the_scalar_path(kernel, device):

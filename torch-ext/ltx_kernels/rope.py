@@ -71,6 +71,9 @@ def qk_norm_rope(
 def _output_pair(out, op: str) -> Tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ValueError(f"{op}: out must be a pair (q_out, k_out)")
+    if not all(isinstance(t, torch.Tensor) for t in out):
+        raise TypeError(f"{op}: out must be a pair of tensors (q_out, k_out), got "
+                        f"({', '.join(type(t).__name__ for t in out)})")
     return out[0], out[1]
 
 
