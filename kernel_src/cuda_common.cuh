@@ -182,6 +182,16 @@ __device__ __forceinline__ float load_cluster_shared(const float* local, int ran
 #endif
 }
 
+// sum += term, carrying the rounding error in `compensation` (Kahan): a thread's running
+// sum over a long row keeps an error bound that does not grow with the row's length. An
+// infinite sum carries none (inf - inf would turn the next term's sum into NaN).
+__device__ __forceinline__ void add_compensated(float& sum, float& compensation, float term) {
+  const float y = term - compensation;
+  const float t = sum + y;
+  compensation = isfinite(t) ? (t - sum) - y : 0.f;
+  sum = t;
+}
+
 // Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the
 // group gets the result.
 __device__ __forceinline__ float group_sum(float v, int width) {

@@ -286,9 +286,12 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       if (kMayHaveStats && p.stats != nullptr && t == 0) prefetch_l2(p.stats + next_r, sizeof(float2), 0, 1);
     }
 
-    // Calls fn(x, dy, factor) in fp32 for every vector of the row this thread covers: its
-    // own slice from registers, then (unclustered) the other slices from memory.
-    auto for_row = [&](auto&& fn) {
+    // Adds fn(x, dy, factor) in fp32 over every vector of the row this thread covers into
+    // sums: its own slice from registers, then (unclustered) the other slices from memory,
+    // each slice's part added with Kahan compensation, so that a wide row's sums keep an
+    // error bound that does not grow with its width.
+    auto for_row = [&](auto& sums, auto&& fn) {
+      constexpr int N = std::extent_v<std::remove_reference_t<decltype(sums)>>;
       if (!active) return;
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
@@ -296,10 +299,12 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
         float xf[VEC], df[VEC];
         to_floats(xs[k], xf);
         to_floats(dys[k], df);
-        fn(xf, df, own_factor[k]);
+        fn(sums, xf, df, own_factor[k]);
       }
+      float compensation[N] = {};
       for (int c = 0; !clustered && c < slices; ++c) {
         if (c == slice) continue;
+        float part[N] = {};
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) {
           const int i = vec_index(c, k);
@@ -308,8 +313,10 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
           to_floats(load_vec<T, VEC>(x, i), xf);
           to_floats(load_vec<G, VEC>(dy, i), df);
           load_factor(scale_row, i, f);
-          fn(xf, df, f);
+          fn(part, xf, df, f);
         }
+#pragma unroll
+        for (int j = 0; j < N; ++j) add_compensated(sums[j], compensation[j], part[j]);
       }
     };
 
@@ -325,12 +332,12 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       rstd = saved.y;
       constexpr int kSums = kLayer ? 2 : 1;
       float s[kSums] = {};
-      for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
+      for_row(s, [&](auto& sums, const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float dn = df[j] * f[j];
-          s[0] += dn * xf[j];
-          if constexpr (kLayer) s[1] += dn;
+          sums[0] += dn * xf[j];
+          if constexpr (kLayer) sums[1] += dn;
         }
       });
       sum_row(s);
@@ -339,25 +346,27 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
       mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
     } else if constexpr (NORMED) {
       if constexpr (kLayer) {
+        // Offsets from the row's first element, as the forward sums them (norm_forward.cuh).
+        const float first = to_float(x[0]);
         float s[1] = {0.f};
-        for_row([&](const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
+        for_row(s, [&](auto& sums, const float (&xf)[VEC], const float (&)[VEC], const float (&)[VEC]) {
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) s[0] += xf[j];
+          for (int j = 0; j < VEC; ++j) sums[0] += xf[j] - first;
         });
         sum_row(s);
-        mean = s[0] * p.inv_cols;
+        mean = first + s[0] * p.inv_cols;
       }
       // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
       constexpr int kSums = kLayer ? 3 : 2;
       float s[kSums] = {};
-      for_row([&](const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
+      for_row(s, [&](auto& sums, const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float c = xf[j] - mean;
           const float dn = df[j] * f[j];
-          s[0] += c * c;
-          s[1] += dn * c;
-          if constexpr (kLayer) s[kSums - 1] += dn;
+          sums[0] += c * c;
+          sums[1] += dn * c;
+          if constexpr (kLayer) sums[kSums - 1] += dn;
         }
       });
       sum_row(s);

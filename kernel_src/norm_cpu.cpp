@@ -18,37 +18,56 @@ namespace {
 // Independent partial sums so that the compiler can vectorise the reduction without
 // reassociating one running sum.
 constexpr int64_t kLanes = 16;
+// Elements per block: each lane sums kBlock / kLanes of them, and the blocks' totals add
+// with Kahan compensation, so a sum's error bound does not grow with the row's length.
+constexpr int64_t kBlock = 64 * kLanes;
+
+// sum += term, carrying the rounding error in `compensation` (Kahan). An infinite sum
+// carries none: inf - inf would turn the next block's sum into NaN.
+template <typename A>
+void add_compensated(A& sum, A& compensation, A term) {
+  const A y = term - compensation;
+  const A t = sum + y;
+  compensation = std::isfinite(t) ? (t - sum) - y : A(0);
+  sum = t;
+}
+
+// Sum over j < n of term(j), in blocks of lanes (see kBlock).
+template <typename A, typename Term>
+A blocked_sum(int64_t n, Term term) {
+  A sum = 0, compensation = 0;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(start + kBlock, n);
+    A partial[kLanes] = {};
+    int64_t j = start;
+    for (; j + kLanes <= end; j += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) partial[l] += term(j + l);
+    }
+    for (; j < end; ++j) partial[0] += term(j);
+    A block = 0;
+    for (int64_t l = 0; l < kLanes; ++l) block += partial[l];
+    add_compensated(sum, compensation, block);
+  }
+  return sum;
+}
 
 template <typename A>
 A sum_of(const A* v, int64_t n, A shift, bool square) {
-  A partial[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const A f = v[j + l] - shift;
-      partial[l] += square ? f * f : f;
-    }
-  }
-  for (; j < n; ++j) {
-    const A f = v[j] - shift;
-    partial[0] += square ? f * f : f;
-  }
-  A s = 0;
-  for (int64_t l = 0; l < kLanes; ++l) s += partial[l];
-  return s;
+  return square ? blocked_sum<A>(n, [&](int64_t j) { const A f = v[j] - shift; return f * f; })
+                : blocked_sum<A>(n, [&](int64_t j) { return v[j] - shift; });
 }
 
 template <typename A>
 A dot(const A* a, const A* b, int64_t n) {
-  A partial[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) partial[l] += a[j + l] * b[j + l];
-  }
-  for (; j < n; ++j) partial[0] += a[j] * b[j];
-  A s = 0;
-  for (int64_t l = 0; l < kLanes; ++l) s += partial[l];
-  return s;
+  return blocked_sum<A>(n, [&](int64_t j) { return a[j] * b[j]; });
+}
+
+// LayerNorm's mean, summed as offsets from the row's first element: exactly that element
+// for a constant row (whose centred values are then exactly 0, as PyTorch's), and with
+// less cancellation than a plain sum where the row sits far from 0.
+template <typename A>
+A row_mean(const A* v, int64_t n, A inv_cols) {
+  return v[0] + sum_of<A>(v, n, v[0], false) * inv_cols;
 }
 
 template <typename T>
@@ -88,7 +107,7 @@ void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
     if (!a.normed) continue;  // the gated residual alone
 
     A mean = 0;
-    if (a.kind == NormKind::kLayer) mean = sum_of<A>(v.data(), n, 0, false) * inv_cols;
+    if (a.kind == NormKind::kLayer) mean = row_mean<A>(v.data(), n, inv_cols);
     const A rstd = A(1) / std::sqrt(sum_of<A>(v.data(), n, mean, true) * inv_cols + a.eps);
     if (a.stats != nullptr) a.stats[2 * r] = static_cast<float>(mean), a.stats[2 * r + 1] = static_cast<float>(rstd);
 
@@ -146,7 +165,7 @@ void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A
     // The forward's statistics (fp32), or computed here: float64 rows always recompute, as
     // fp32 statistics would leave their grads fp32-accurate.
     const float* saved = a.stats != nullptr && !std::is_same_v<A, double> ? a.stats + 2 * r : nullptr;
-    const A mean = saved != nullptr ? saved[0] : layer ? sum_of<A>(centred.data(), n, 0, false) * inv_cols : 0;
+    const A mean = saved != nullptr ? saved[0] : layer ? row_mean<A>(centred.data(), n, inv_cols) : 0;
     for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
     const A rstd = saved != nullptr ? saved[1]
                    : normed_row ? A(1) / std::sqrt(sum_of<A>(centred.data(), n, 0, true) * inv_cols + a.eps)

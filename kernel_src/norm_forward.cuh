@@ -95,8 +95,10 @@ constexpr int bound_threads(int cached, bool residual, bool modulate) {
 // alone (not NORMED) stops after the row's sum. Without one, a one-vector row fits 32
 // registers.
 __host__ __device__ constexpr bool writes_weight(bool normed, bool modulate) { return !modulate && normed; }
-constexpr int bound_min_blocks(int cached, bool weighted) {
-  if (cached == 1) return weighted ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
+// LayerNorm's residual rows also make their first element (the mean's offset) ahead of
+// the sum: in 32 registers they spill, so they take the weighted rows' bound.
+constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual) {
+  if (cached == 1) return weighted || layer_residual ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
   return cached == 2 ? kTwoVecMinBlocks : 0;
 }
 
@@ -105,7 +107,8 @@ constexpr int bound_min_blocks(int cached, bool weighted) {
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE,
           bool NORMED = true>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
-                                  bound_min_blocks(CACHED, writes_weight(NORMED, MODULATE)))
+                                  bound_min_blocks(CACHED, writes_weight(NORMED, MODULATE),
+                                                   NORMED && KIND == NormKind::kLayer && RESIDUAL))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
@@ -128,8 +131,8 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // Vectors past the cache are read again: the stored sum when the op makes one.
   const T* reread = res_out ? res_out : x;
 
-  // The row's value: input, or residual + input (* gate) rounded to T and stored.
-  auto load_row = [&](int i) {
+  // The row's value: input, or residual + input (* gate) rounded to T (and stored).
+  auto load_row = [&](int i, bool store) {
     Vec<T, VEC> v = load_vec<T, VEC>(x, i);
     if constexpr (RESIDUAL) {
       const Vec<T, VEC> rv = load_vec<T, VEC>(res, i);
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
       }
-      store_vec<T, VEC>(res_out, i, v);
+      if (store) store_vec<T, VEC>(res_out, i, v);
     }
     return v;
   };
@@ -191,35 +194,67 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     }
   }
   // LayerNorm takes the mean first and then the centred square sum (as PyTorch, no
-  // cancellation); RMSNorm takes the square sum in the first pass.
+  // cancellation); RMSNorm takes the square sum in the first pass. LayerNorm's mean sums
+  // offsets from the row's first element, which every thread reads: for a constant row
+  // the mean is exactly that element and the centred row exactly 0, as in PyTorch. A
+  // residual row's first element is made from its operands; as residual_out may be one of
+  // them, the cached vectors' sums are stored only after the first reduction, whose
+  // barrier (shuffles within a warp) follows every thread's read.
   constexpr bool kSquareFirst = KIND == NormKind::kRms;
-  float acc = 0.f;
+  constexpr bool kShifted = NORMED && KIND == NormKind::kLayer;
+  constexpr bool kStoreLate = kShifted && RESIDUAL;
 #pragma unroll
   for (int k = 0; k < CACHED; ++k) {
     const int i = t + k * threads_per_row;
-    if (active && i < nvec) {
-      cached[k] = load_row(i);
-      acc += sum_of(cached[k], 0.f, kSquareFirst);
+    if (active && i < nvec) cached[k] = load_row(i, !kStoreLate);
+  }
+  float first = 0.f;
+  if constexpr (kShifted) {
+    if constexpr (RESIDUAL) {
+      first = gate != nullptr ? to_float(from_float<T>(to_float(res[0]) + to_float(x[0]) * to_float(gate[0])))
+                              : to_float(from_float<T>(to_float(res[0]) + to_float(x[0])));
+    } else {
+      first = to_float(x[0]);
     }
   }
+  float acc = 0.f, compensation = 0.f;
+#pragma unroll
+  for (int k = 0; k < CACHED; ++k) {
+    const int i = t + k * threads_per_row;
+    if (active && i < nvec) acc += sum_of(cached[k], first, kSquareFirst);
+  }
+  // fp32 rows re-read past the cache sum with compensation (long rows; docs/numerics.md);
+  // 16-bit rows' plain sums stay below their rounding, and the compensation's register
+  // would spill on sm_75.
   for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-    acc += sum_of(load_row(i), 0.f, kSquareFirst);
+    const float term = sum_of(load_row(i, true), first, kSquareFirst);
+    if constexpr (std::is_same_v<T, float>) add_compensated(acc, compensation, term);
+    else acc += term;
   }
   if constexpr (!NORMED) {
     return;  // the gated residual alone: residual_out is the result
   } else {
     float mean = 0.f;
     float sum_sq = row_sum(acc, threads_per_row, scratch[0]);
+    if constexpr (kStoreLate) {
+#pragma unroll
+      for (int k = 0; k < CACHED; ++k) {
+        const int i = t + k * threads_per_row;
+        if (active && i < nvec) store_vec<T, VEC>(res_out, i, cached[k]);
+      }
+    }
     if constexpr (KIND == NormKind::kLayer) {
-      mean = sum_sq * p.inv_cols;
-      acc = 0.f;
+      mean = first + sum_sq * p.inv_cols;
+      acc = 0.f, compensation = 0.f;
 #pragma unroll
       for (int k = 0; k < CACHED; ++k) {
         const int i = t + k * threads_per_row;
         if (active && i < nvec) acc += sum_of(cached[k], mean, true);
       }
       for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-        acc += sum_of(load_vec<T, VEC>(reread, i), mean, true);
+        const float term = sum_of(load_vec<T, VEC>(reread, i), mean, true);
+        if constexpr (std::is_same_v<T, float>) add_compensated(acc, compensation, term);
+        else acc += term;
       }
       sum_sq = row_sum(acc, threads_per_row, scratch[1]);
     }

@@ -140,3 +140,50 @@ def test_last_dim_of_one(kernel, device, api, dtype):
     tensors = api.make(d_equals_1(api), dtype, device)
     outputs, expected = run(api, kernel, tensors)
     assert_within_bound(api, outputs, expected, dtype, magnitude=3.0)
+
+
+# Row widths of LayerNorm's launches on CUDA (fp32 / 16-bit): one or two vectors a thread,
+# four, and rows re-read past the four cached vectors.
+LAYER_WIDTHS = (1000, 4096, 40000)
+
+
+@pytest.mark.parametrize("d", LAYER_WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_norm_of_constant_rows_is_exact(kernel, device, dtype, d):
+    """A constant row's LayerNorm is exactly 0 (its mean is the row's value exactly), so
+    AdaLN gives exactly shift, the gated residual's form too (its row: residual + 0 * gate);
+    with eps = 0 it is 0 / 0, NaN, as PyTorch's layer_norm gives."""
+    values = torch.tensor([0.1, 3.7, -1234.5, 1e-3, 7.0, -0.3]).to(dtype)  # one per token
+    x = values.view(1, -1, 1).expand(2, -1, d).contiguous().to(device)
+    scale = torch.randn(2, 1, d, dtype=dtype, device=device)
+    shift = torch.randn(2, 1, d, dtype=dtype, device=device)
+    assert torch.equal(kernel.adaln(x, scale, shift, EPS, norm="layer"), shift.expand_as(x))
+    gate = torch.randn(2, 1, d, dtype=dtype, device=device)
+    residual_out, out = kernel.gated_residual_adaln(x, torch.zeros_like(x), gate, scale, shift, EPS, norm="layer")
+    assert torch.equal(residual_out, x) and torch.equal(out, shift.expand_as(x))
+    assert torch.nn.functional.layer_norm(x.double(), (d,), eps=0.0).isnan().all()
+    assert kernel.adaln(x, scale, shift, 0.0, norm="layer").isnan().all()
+    # In place, where the residual sum overwrites the residual that every thread reads.
+    residual = x.clone()
+    kernel.gated_residual_adaln(residual, torch.zeros_like(x), gate, scale, shift, EPS, norm="layer",
+                                residual_out=residual, out=out)
+    assert torch.equal(residual, x) and torch.equal(out, shift.expand_as(x))
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_long_fp32_rows_keep_the_error_bound(kernel, device, norm):
+    """Rows of 2^22 fp32 elements: the row sums' error does not grow with the length
+    (blocked lanes and compensated sums, docs/numerics.md), so the result stays within a
+    few roundings of the fp64 reference, as PyTorch's own fp32 norms do; plain fp32 lane
+    sums were ~100x off for LayerNorm here."""
+    n = 2**22
+    generator = torch.Generator().manual_seed(0)
+    x = (1.0 + 0.01 * torch.randn(2, 1, n, generator=generator)).to(device)
+    zeros = torch.zeros(n, device=device)
+    want = norm_ref(x, EPS, norm)
+    error = (kernel.adaln(x, zeros, zeros, EPS, norm=norm).double() - want).abs().max().item()
+    if norm == "rms":
+        torch_error = (torch.nn.functional.rms_norm(x, (n,), eps=EPS).double() - want).abs().max().item()
+    else:
+        torch_error = (torch.nn.functional.layer_norm(x, (n,), eps=EPS).double() - want).abs().max().item()
+    assert error <= 8 * max(torch_error, 2**-24 * want.abs().max().item()), (error, torch_error)
