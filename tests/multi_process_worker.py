@@ -360,22 +360,34 @@ def training_step_differences(model, batch, reference, expect_ours: bool, lki, l
     return found
 
 
-def case_tensor_parallel(lki, rank, world, family, checkpoint: Path) -> dict:
-    """from_pretrained(tp_plan="auto"), kernelized after loading (the only order it allows)."""
+def case_tensor_parallel(lki, rank, world, family, checkpoint: Path, sequence_parallel_norms=False) -> dict:
+    """from_pretrained(tp_plan="auto"), kernelized after loading (the only order it allows).
+    ``sequence_parallel_norms``: the plan also puts the decoder norms under transformers'
+    sequence_parallel style, which installs itself as each norm's instance forward (with
+    use_kernels=False: transformers' own kernelize at load drops that wrapper, stock). Each
+    rank's activations are whole there, which the style takes as the rank's shard: each norm
+    weight's grad is a Partial whose local part is the single-process grad."""
     from kernels import Mode
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers.distributed import DistributedConfig
 
     model_cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[family]
     path = checkpoint / family
-    if rank == 0:
+    if rank == 0 and not path.exists():
         llm(family).save_pretrained(path)
     dist.barrier()
     batch = llm_batch()
     reference = single_process_run(model_cls.from_pretrained(path, dtype=torch.float32).train(), batch)
+    if sequence_parallel_norms:
+        plan = {"model.layers.*.input_layernorm": "sequence_parallel",
+                "model.layers.*.post_attention_layernorm": "sequence_parallel", "model.norm": "sequence_parallel"}
+        loading = dict(distributed_config=DistributedConfig(tp_plan=plan), use_kernels=False)
+    else:
+        loading = dict(tp_plan="auto")
     record = {}
     for name in ("stock", "kernelized", "kernelized and unkernelized"):
         def run():
-            model = model_cls.from_pretrained(path, dtype=torch.float32, tp_plan="auto").train()
+            model = model_cls.from_pretrained(path, dtype=torch.float32, **loading).train()
             if name != "stock":
                 lki.kernelize_transformers(model, mode=Mode.TRAINING)
             if name.endswith("unkernelized"):
@@ -383,7 +395,9 @@ def case_tensor_parallel(lki, rank, world, family, checkpoint: Path) -> dict:
             with torch.no_grad():
                 found = differences(model(input_ids=batch["input_ids"]).logits, reference[0], OUTPUT_ATOL,
                                     "inference logits")
-            return found + training_step_differences(model, batch, reference, name == "kernelized", lki)
+            found += training_step_differences(model, batch, reference, name == "kernelized", lki,
+                                               local_partials=sequence_parallel_norms)
+            return found + (_partial_norm_grads(model) if sequence_parallel_norms else [])
 
         variant(record, name, run)
     return record
@@ -469,6 +483,16 @@ def _sequence_parallel_norms(model):
     return [m for n, m in model.named_modules() if n.endswith("layernorm") or n == "model.norm"]
 
 
+def _partial_norm_grads(model) -> list:
+    """Under transformers' sequence_parallel style its norms' (DTensor) weights get Partial
+    grads: what differs from that shows a style that did not run."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    return [f"a sequence-parallel norm's weight grad is {type(g).__name__} {getattr(g, 'placements', '')}, "
+            "not a Partial DTensor" for g in (norm.weight.grad for norm in _sequence_parallel_norms(model))
+            if not (isinstance(g, DTensor) and g.placements == (Partial(),))]
+
+
 def case_transformers_parallel_style(lki, rank, world) -> dict:
     """transformers' own parallel styles install themselves as the module's instance
     forward (TensorParallelLayer.install_forward): its sequence_parallel style on Qwen3's
@@ -476,7 +500,6 @@ def case_transformers_parallel_style(lki, rank, world) -> dict:
     as the rank's shard: the outputs are the single-process ones, and each norm weight's
     grad is a Partial whose local part is the rank's single-process grad."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial
     from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 
     mesh = init_device_mesh("cpu", (world,))
@@ -485,13 +508,8 @@ def case_transformers_parallel_style(lki, rank, world) -> dict:
         for norm in _sequence_parallel_norms(model):
             ALL_PARALLEL_STYLES["sequence_parallel"].install_forward(norm, mesh)
 
-    def style_ran(model):  # its DTensor weights got Partial grads
-        return [f"a sequence-parallel norm's weight grad is {type(g).__name__} {getattr(g, 'placements', '')}, "
-                "not a Partial DTensor" for g in (norm.weight.grad for norm in _sequence_parallel_norms(model))
-                if not (isinstance(g, DTensor) and g.placements == (Partial(),))]
-
     return engine_variants(lki, "qwen3", parallelize, ("stock", "kernelized before", "kernelized after",
-                                                       "kernelized and unkernelized after"), style_ran,
+                                                       "kernelized and unkernelized after"), _partial_norm_grads,
                            local_partials=True)
 
 
@@ -514,6 +532,8 @@ def cases(checkpoint: Path) -> dict:
         "ltx context parallel": case_ltx_context_parallel,
         "qwen3 tp_plan=auto": lambda lki, rank, world: case_tensor_parallel(lki, rank, world, "qwen3", checkpoint),
         "llama tp_plan=auto": lambda lki, rank, world: case_tensor_parallel(lki, rank, world, "llama", checkpoint),
+        "qwen3 tp_plan with sequence_parallel norms": lambda lki, rank, world: case_tensor_parallel(
+            lki, rank, world, "qwen3", checkpoint, sequence_parallel_norms=True),
         "qwen3 sequence parallel": lambda lki, rank, world: case_sequence_parallel(lki, rank, world, "qwen3"),
         "llama sequence parallel": lambda lki, rank, world: case_sequence_parallel(lki, rank, world, "llama"),
         "transformers parallel style": case_transformers_parallel_style,

@@ -42,6 +42,7 @@ ENGINES = {
     "ltx context parallel": {f"{a}: {v}": f"{a}: stock" for a in ("ulysses", "ring") for v in CONTEXT_PARALLEL},
     "qwen3 tp_plan=auto": {v: "stock" for v in ("kernelized", "kernelized and unkernelized")},
     "llama tp_plan=auto": {v: "stock" for v in ("kernelized", "kernelized and unkernelized")},
+    "qwen3 tp_plan with sequence_parallel norms": {v: "stock" for v in ("kernelized", "kernelized and unkernelized")},
     "qwen3 sequence parallel": {v: "stock" for v in ("kernelized before", "kernelized after")},
     "llama sequence parallel": {v: "stock" for v in ("kernelized before", "kernelized after")},
     "transformers parallel style": {v: "stock" for v in ("kernelized before", "kernelized after",
