@@ -64,8 +64,10 @@ def _free_port() -> int:
 def ranks(tmp_path_factory):
     """What each rank recorded: [rank 0's {case: {variant: ...}}, rank 1's]."""
     out = tmp_path_factory.mktemp("ranks")
+    # CPU ranks on any machine: with a GPU visible, diffusers and transformers would build
+    # their device meshes on it.
     env = dict(os.environ, WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(REPO), str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     logs = [out / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
     with _build_folder_held(exclusive=False):

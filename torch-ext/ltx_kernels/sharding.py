@@ -119,24 +119,25 @@ def _rms_norm_backward(grad_out, x, weight, eps, weight_offset, cast_before_weig
 # [B', D] or [B', S', D].
 
 
-def _modulated_strategies(rows: Sequence, modulations: Sequence, layout: Sequence[str], *, stats_out: int = 0,
-                          last_dim: bool = False) -> List[Strategy]:
-    """Strategies for an op over rows (all of one shape) modulated by broadcasting operands.
-    ``layout`` names each position of the placement list: "row" (an output or input of the
-    rows' shape), "stats" (fp32 ``[..., 2]`` row statistics), "mod<i>" (modulation operand
-    i), "grad<i>" (its grad), "opt_row" / "opt_stats" (an optional one, absent when its
-    entry in ``rows`` / ``modulations`` is None), "-" (not a tensor)."""
+def _modulated_strategies(x, modulations: Sequence, layout: Sequence[str], *,
+                          last_dim: bool = False) -> List[list]:
+    """Placement lists for an op over rows of ``x``'s shape modulated by broadcasting
+    operands, one per split (none, each leading dim, and the last dim if ``last_dim``).
+    ``layout`` names each position of the list: "row" (an output or input of the rows'
+    shape), "stats" (fp32 ``[..., 2]`` row statistics), "mod<i>" (modulation operand i),
+    "grad<i>" (its grad), "-" (not a tensor). Optional tensors are entered as present;
+    `_split` blanks the absent ones."""
     _, Replicate, Shard = _placements()
-    x = rows[0]
     strategies = []
-    dims = [None, *range(x.ndim - 1)] + ([x.ndim - 1] if last_dim else [])
-    for dim in dims:
+    for dim in [None, *range(x.ndim - 1)] + ([x.ndim - 1] if last_dim else []):
         if dim is None:
             mods = [(Replicate(), Replicate()) for _ in modulations]
             row = stats = Replicate()
         elif dim == x.ndim - 1:
+            if "stats" in layout:
+                continue  # row statistics cannot follow a split of the normalised dim
             mods = [_last_dim_following(m) for m in modulations]
-            row, stats = Shard(dim), None
+            row = stats = Shard(dim)
         else:
             mods = [_following(m, dim) for m in modulations]
             row = stats = Shard(dim)
@@ -150,13 +151,8 @@ def _modulated_strategies(rows: Sequence, modulations: Sequence, layout: Sequenc
                 placements.append(mods[int(entry[3:])][0])
             elif entry.startswith("grad"):
                 placements.append(mods[int(entry[4:])][1])
-            elif entry.startswith("opt_"):
-                present = entry[4:]
-                placements.append(row if present == "row" else stats)
             else:
                 placements.append(None)
-        if any(p is None and e == "stats" for p, e in zip(placements, layout)):
-            continue  # row statistics cannot follow a split of the normalised dim
         strategies.append(placements)
     return strategies
 
@@ -174,59 +170,59 @@ def _split(strategies: List[list], outputs: int, absent: Sequence[int] = ()) -> 
 
 
 def _adaln(x, scale, shift, eps, norm):
-    return _split(_modulated_strategies([x], [scale, shift], ["row", "row", "mod0", "mod1", "-", "-"]), 1)
+    return _split(_modulated_strategies(x, [scale, shift], ["row", "row", "mod0", "mod1", "-", "-"]), 1)
 
 
 def _adaln_out(out, x, scale, shift, eps, norm):
-    return _split(_modulated_strategies([x], [scale, shift], ["row", "row", "mod0", "mod1", "-", "-"]), 0)
+    return _split(_modulated_strategies(x, [scale, shift], ["row", "row", "mod0", "mod1", "-", "-"]), 0)
 
 
 def _adaln_with_stats(x, scale, shift, eps, norm):
     layout = ["row", "stats", "row", "mod0", "mod1", "-", "-"]
-    return _split(_modulated_strategies([x], [scale, shift], layout), 2)
+    return _split(_modulated_strategies(x, [scale, shift], layout), 2)
 
 
 def _adaln_backward(grad_out, x, scale, shift, eps, norm, grad_extra, stats=None):
-    layout = ["row", "grad0", "grad1", "row", "row", "mod0", "mod1", "-", "-", "opt_row", "opt_stats"]
+    layout = ["row", "grad0", "grad1", "row", "row", "mod0", "mod1", "-", "-", "row", "stats"]
     absent = [i for i, t in ((6, grad_extra), (7, stats)) if t is None]
-    return _split(_modulated_strategies([x], [scale, shift], layout), 3, absent)
+    return _split(_modulated_strategies(x, [scale, shift], layout), 3, absent)
 
 
 def _gated_residual(residual, x, gate):
-    return _split(_modulated_strategies([x], [gate], ["row", "row", "row", "mod0"], last_dim=True), 1)
+    return _split(_modulated_strategies(x, [gate], ["row", "row", "row", "mod0"], last_dim=True), 1)
 
 
 def _gated_residual_out(residual_out, residual, x, gate):
-    return _split(_modulated_strategies([x], [gate], ["row", "row", "row", "mod0"], last_dim=True), 0)
+    return _split(_modulated_strategies(x, [gate], ["row", "row", "row", "mod0"], last_dim=True), 0)
 
 
 def _gated_residual_backward(grad_out, x, gate):
     layout = ["row", "grad0", "row", "row", "mod0"]
-    return _split(_modulated_strategies([x], [gate], layout, last_dim=True), 2)
+    return _split(_modulated_strategies(x, [gate], layout, last_dim=True), 2)
 
 
-_GRA_INPUTS = ["row", "row", "mod0", "mod1", "mod2", "-", "-"]
+_GATED_RESIDUAL_ADALN_INPUTS = ["row", "row", "mod0", "mod1", "mod2", "-", "-"]
 
 
 def _gated_residual_adaln(residual, x, gate, scale, shift, eps, norm):
-    return _split(_modulated_strategies([x], [gate, scale, shift], ["row", "row", *_GRA_INPUTS]), 2)
+    return _split(_modulated_strategies(x, [gate, scale, shift], ["row", "row", *_GATED_RESIDUAL_ADALN_INPUTS]), 2)
 
 
 def _gated_residual_adaln_out(residual_out, out, residual, x, gate, scale, shift, eps, norm):
-    return _split(_modulated_strategies([x], [gate, scale, shift], ["row", "row", *_GRA_INPUTS]), 0)
+    return _split(_modulated_strategies(x, [gate, scale, shift], ["row", "row", *_GATED_RESIDUAL_ADALN_INPUTS]), 0)
 
 
 def _gated_residual_adaln_with_stats(residual, x, gate, scale, shift, eps, norm):
-    layout = ["row", "row", "stats", *_GRA_INPUTS]
-    return _split(_modulated_strategies([x], [gate, scale, shift], layout), 3)
+    layout = ["row", "row", "stats", *_GATED_RESIDUAL_ADALN_INPUTS]
+    return _split(_modulated_strategies(x, [gate, scale, shift], layout), 3)
 
 
 def _gated_residual_adaln_backward(grad_out, grad_residual_out, residual_out, x, gate, scale, shift, eps, norm,
                                    stats=None):
     layout = ["row", "row", "grad0", "grad1", "grad2",  # grads of residual, input, gate, scale, shift
-              "row", "row", "row", "row", "mod0", "mod1", "mod2", "-", "-", "opt_stats"]
+              "row", "row", "row", "row", "mod0", "mod1", "mod2", "-", "-", "stats"]
     absent = [9] if stats is None else []
-    return _split(_modulated_strategies([x], [gate, scale, shift], layout), 5, absent)
+    return _split(_modulated_strategies(x, [gate, scale, shift], layout), 5, absent)
 
 
 # ---------------------------------------------------------------------------------------
