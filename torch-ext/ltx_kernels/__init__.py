@@ -1,12 +1,14 @@
 """ltx-kernels: fast kernels for the memory-bound layers of diffusion transformers and LLMs."""
 
-from . import layers, reference
+from . import layers, reference, sharding
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
 from .integration import diffusers_mapping, kernelize_diffusers, kernelize_transformers, replaced_modules, \
     transformers_mapping, unkernelize
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
 from .rope import qk_norm_rope, rope_interleaved, rope_rotate_half
+
+sharding.register_when_available()  # DTensor rules for this build's op namespace
 
 __all__ = [
     "adaln",

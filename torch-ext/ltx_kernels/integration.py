@@ -33,9 +33,17 @@ module: with kernels >= 0.18 one per module that calls it (each attention module
 model instance has its own), with kernels 0.17 one per model file, shared by every model of
 that type. Both are counted and restored as modules; `unkernelize` puts the stock forwards
 back.
+
+Other libraries' hooks stay, in either order: diffusers' hooks (context parallelism,
+First-Block-Cache and the other caches), transformers' parallel styles and accelerate's hooks
+wrap a module's instance ``forward``, which kernelize rebinds; both calls set those wrappers
+aside and put them back around the module's new forward (ours inside theirs). A wrapper
+this module cannot see into is refused with the order that works. The layer subclasses get
+diffusers' block metadata (its cache hooks look blocks up by class).
 """
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
@@ -207,14 +215,16 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
     if Mode.TORCH_COMPILE in mode:
         unkernelize(model)
         return {}
-    _relink_copied_functions(model)
-    with use_kernel_mapping(transformers_mapping(repo, **kwargs), inherit_mapping=False), _quiet_unmapped_hooks():
-        kernelize(model, mode=mode, device=device)
-    if not replaced_modules(model, TRANSFORMERS_LAYERS.values()) and mode == Mode.INFERENCE:
-        unkernelize(model)
-        raise RuntimeError(f"kernelize bound none of the {len(hooked)} hooked modules of {type(model).__name__} "
-                           f"to ltx-kernels' layers ({_versions()})")
-    _keep_only_matching_rotary(model)
+    with _wrappers_set_aside(model, "kernelize"):
+        _relink_copied_functions(model)
+        with use_kernel_mapping(transformers_mapping(repo, **kwargs), inherit_mapping=False), \
+                _quiet_unmapped_hooks():
+            kernelize(model, mode=mode, device=device)
+        if not replaced_modules(model, TRANSFORMERS_LAYERS.values()) and mode == Mode.INFERENCE:
+            unkernelize(model)
+            raise RuntimeError(f"kernelize bound none of the {len(hooked)} hooked modules of "
+                               f"{type(model).__name__} to ltx-kernels' layers ({_versions()})")
+        _keep_only_matching_rotary(model)
     counts = replaced_modules(model, TRANSFORMERS_LAYERS.values())
     if not counts:
         unkernelize(model)
@@ -240,11 +250,14 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
     devices = {name: _check_ready(model, device, name) for name, model in models.items()}
     mapping = diffusers_mapping(repo, **kwargs)
     counts: Dict[str, int] = {}
+    for name, model in models.items():
+        _wrapper_chains(model, "kernelize")  # refuse before changing any component
     with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_unmapped_hooks():
         for name, model in models.items():
-            _classes_back(model)  # kernelize reads each module's class (its condition, its forward)
-            kernelize(model, mode=mode, device=devices[name])
-            _forwards_into_classes(model)
+            with _wrappers_set_aside(model, "kernelize"):
+                _classes_back(model)  # kernelize reads each module's class (its condition, its forward)
+                kernelize(model, mode=mode, device=devices[name])
+                _forwards_into_classes(model)
             for layer, count in replaced_modules(model, DIFFUSERS_LAYERS.values()).items():
                 counts[layer] = counts.get(layer, 0) + count
     if not counts:
@@ -264,21 +277,25 @@ def replaced_modules(model: torch.nn.Module, layers=None) -> Dict[str, int]:
         func = _running_forward(module)
         if func is _host(module).forward:
             continue
-        layer = func.__qualname__.split(".")[0]
-        if (layers is None or layer in layers) and func.__module__.endswith(".layers"):
+        layer = getattr(func, "__qualname__", "").split(".")[0]
+        if (layers is None or layer in layers) and (getattr(func, "__module__", None) or "").endswith(".layers"):
             counts[layer] = counts.get(layer, 0) + 1
     return counts
 
 
 def unkernelize(model: torch.nn.Module) -> None:
     """Every hooked module and hooked-function wrapper of ``model`` back to its stock
-    forward (with kernels 0.17 a function's wrapper is shared by its model file)."""
-    for module in _hooked(model):
-        vars(module).pop("forward", None)
-        vars(module).pop("_kernel_repo", None)
-        if not _class_back(module) and hasattr(type(module), "_ltx_host"):
-            # a class another library derived from ours (parametrize, FSDP)
-            module.forward = MethodType(type(module)._ltx_host.forward, module)
+    forward (with kernels 0.17 a function's wrapper is shared by its model file). Hooks
+    other libraries wrapped around a module's forward (diffusers' context-parallel and
+    cache hooks, transformers' parallel styles, accelerate's hooks) stay, now around the
+    stock forward."""
+    with _wrappers_set_aside(model, "unkernelize"):
+        for module in _hooked(model):
+            vars(module).pop("forward", None)
+            vars(module).pop("_kernel_repo", None)
+            if not _class_back(module) and hasattr(type(module), "_ltx_host"):
+                # a class another library derived from ours (parametrize, FSDP)
+                module.forward = MethodType(type(module)._ltx_host.forward, module)
 
 
 # ---------------------------------------------------------------------------------------
@@ -343,9 +360,124 @@ def _hooked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def _running_forward(module: torch.nn.Module):
-    """The function ``module(...)`` runs as its forward."""
+    """The function ``module(...)`` runs as its own forward: inside the wrappers other
+    libraries put around it, if any (an unknown wrapper is returned as it is)."""
     bound = vars(module).get("forward")
+    try:
+        chain = _wrapper_chain(module, "")
+    except ValueError:
+        return bound
+    if chain:
+        bound = chain[-1].get()
     return bound.__func__ if isinstance(bound, MethodType) else type(module).forward
+
+
+# ---------------------------------------------------------------------------------------
+# Other libraries' forward wrappers. diffusers' hooks (context parallelism, First-Block-Cache
+# and the other caches), transformers' tensor-parallel styles and accelerate's hooks replace
+# a module's instance ``forward`` with a wrapper that calls the forward it found there. kernelize
+# (and unkernelize) rebind that instance forward, which would drop the wrapper: they work
+# with the wrappers set aside, then put them back around the module's new own forward.
+
+
+class _Slot:
+    """Where a wrapper keeps the forward it calls: an attribute of an object, or a closure
+    cell."""
+
+    def __init__(self, holder, name: Optional[str] = None):
+        self.holder, self.name = holder, name
+
+    def get(self):
+        return self.holder.cell_contents if self.name is None else getattr(self.holder, self.name)
+
+    def set(self, forward) -> None:
+        if self.name is None:
+            self.holder.cell_contents = forward
+        else:
+            setattr(self.holder, self.name, forward)
+
+
+def _closure_cell(function, name: str):
+    code = getattr(function, "__code__", None)
+    if code is None or function.__closure__ is None or name not in code.co_freevars:
+        return None
+    return function.__closure__[code.co_freevars.index(name)]
+
+
+def _inner_slot(module: torch.nn.Module, wrapper) -> Optional[_Slot]:
+    """The slot holding the forward that ``wrapper`` (``module``'s instance forward) calls,
+    for the wrappers known here; None for any other."""
+    if isinstance(wrapper, functools.partial) and wrapper.args[:1] == (module,):
+        # diffusers' HookRegistry: partial(new_forward, module); new_forward's closure holds
+        # the hook's HookFunctionReference, whose original_forward (hooks with their own
+        # new_forward) or forward is the forward it wrapped.
+        cell = _closure_cell(wrapper.func, "function_reference")
+        reference = None if cell is None else cell.cell_contents
+        if reference is not None and hasattr(reference, "original_forward") and hasattr(reference, "forward"):
+            return _Slot(reference, "forward" if reference.original_forward is None else "original_forward")
+        # accelerate's add_hook_to_module: partial(new_forward, module) calling module._old_forward
+        if (getattr(wrapper.func, "__qualname__", "").startswith("add_hook_to_module.")
+                and "_old_forward" in vars(module)):
+            return _Slot(module, "_old_forward")
+        return None
+    # transformers' parallel styles (TensorParallelLayer.install_forward): a closure calling
+    # `original_forward`
+    cell = _closure_cell(wrapper, "original_forward")
+    if cell is not None and callable(cell.cell_contents):
+        return _Slot(cell)
+    return None
+
+
+def _wrapper_chain(module: torch.nn.Module, action: str) -> list:
+    """The slots of the wrappers around ``module``'s own forward, outermost first (empty
+    when its instance forward is its own: none, or a method bound to it). A wrapper this
+    module cannot see into is refused: ``action`` would drop it."""
+    chain = []
+    forward = vars(module).get("forward")
+    while forward is not None and not (isinstance(forward, MethodType) and forward.__self__ is module):
+        slot = _inner_slot(module, forward)
+        if slot is None or len(chain) > 64:
+            raise ValueError(
+                f"{type(module).__name__} runs a forward another library installed on the module ({forward!r}), "
+                f"which ltx-kernels cannot see into and {action or 'kernelize'} would drop: "
+                + ("unkernelize before installing it, or remove it first" if action == "unkernelize" else
+                   "kernelize the model before installing it (before enable_parallelism(), tensor or sequence "
+                   "parallel styles, cache hooks)"))
+        chain.append(slot)
+        forward = slot.get()
+    return chain
+
+
+def _wrapper_chains(model: torch.nn.Module, action: str) -> Dict[int, tuple]:
+    """(module, outermost wrapper, innermost slot) per hooked module of ``model`` that runs
+    inside other libraries' wrappers; refuses (ValueError) before anything changes when
+    one of them is a wrapper this module cannot see into."""
+    chains = {}
+    for module in _hooked(model):
+        chain = _wrapper_chain(module, action)
+        if chain:
+            chains[id(module)] = (module, vars(module)["forward"], chain[-1])
+    return chains
+
+
+@contextlib.contextmanager
+def _wrappers_set_aside(model: torch.nn.Module, action: str):
+    """Inside: each hooked module of ``model`` that runs inside other libraries' wrappers has
+    its own forward back as its instance forward (a bound method, or none for its class's),
+    as kernelize expects. After: the wrappers are its instance forward again, around its
+    new own forward."""
+    chains = _wrapper_chains(model, action)
+    for module, _, slot in chains.values():
+        vars(module)["forward"] = slot.get()
+    try:
+        yield
+    finally:
+        for module, outermost, slot in chains.values():
+            own = vars(module).pop("forward", None)
+            if not (isinstance(own, MethodType) and own.__self__ is module):
+                own = MethodType(type(module).forward, module)
+            slot.set(own)
+            vars(module)["forward"] = outermost
 
 
 # (host class, layer forward) -> the subclass that runs it, one per pair in the process.
@@ -383,8 +515,23 @@ def _forwards_into_classes(model: torch.nn.Module) -> None:
             _LAYER_CLASSES[key] = type(host.__name__, (host,), {
                 "forward": func, "_ltx_host": host, "__module__": host.__module__,
                 "__qualname__": host.__qualname__, "__doc__": host.__doc__})
+            _share_block_metadata(host, _LAYER_CLASSES[key])
         del module.forward
         module.__class__ = _LAYER_CLASSES[key]
+
+
+def _share_block_metadata(host: type, layer_class: type) -> None:
+    """diffusers' cache hooks (First-Block-Cache, MagCache, SeaCache, layer skipping) look a
+    block's class up in its TransformerBlockRegistry and refuse a class it lacks: the layer
+    subclass gets a copy of the host's entry (its forward has the host's signature)."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        metadata = TransformerBlockRegistry.get(host)
+    except (ImportError, AttributeError, ValueError):
+        return  # not a diffusers class, or a diffusers without this registry
+    TransformerBlockRegistry.register(layer_class, dataclasses.replace(metadata, _cls=None,
+                                                                       _cached_parameter_indices=None))
 
 
 def _class_back(module: torch.nn.Module) -> bool:
