@@ -211,7 +211,7 @@ struct QkNormRope : torch::autograd::Function<QkNormRope> {
     const double eps = ctx->saved_data["eps"].toDouble();
     // Un-rotate, then the RMSNorm backward (its weight multiply comes before the rotation).
     auto [grad_q_normed, grad_k_normed] =
-        rope_backward_op().call(grads[0].contiguous(), grads[1].contiguous(), s[4], s[5], true, 2);
+        rope_backward_op().call(grads[0].contiguous(), grads[1].contiguous(), s[4], s[5], true, 1);
     auto [grad_q, grad_q_weight] =
         rms_norm_backward_op().call(grad_q_normed, s[0], s[2], eps, 0.0, false, std::nullopt);
     auto [grad_k, grad_k_weight] =

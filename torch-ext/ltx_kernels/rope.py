@@ -2,7 +2,8 @@
 torch.compile beside them.
 
 q and k: ``[B, S, C]`` (LTX-Video), ``[B, H, S, D]`` (transformers, FLUX) or
-``[B, S, H, D]`` (pass ``sequence_dim=1``), any strides with a contiguous last dim
+``[B, S, H, D]`` (pass ``sequence_dim=1``; the default is 2 for 4-D q and 1, the only
+value, for 3-D q), any strides with a contiguous last dim
 (transposed views work), k may have fewer heads (GQA); fp32, fp16 or bf16. cos and sin:
 ``[S, R]`` or ``[B, S, R]``, in q's dtype or float32; only the first R channels rotate
 (partial rotary), the rest pass through. fp32 math, one rounding. On the CPU also
@@ -22,7 +23,7 @@ from ._autograd import check_no_grad
 
 
 def rope_rotate_half(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: Optional[int] = None,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin`` where
@@ -33,7 +34,7 @@ def rope_rotate_half(
 
 
 def rope_interleaved(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: Optional[int] = None,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """diffusers' ``apply_rotary_emb`` with real cos/sin (LTX-Video on ``[B, S, C]`` with
@@ -80,6 +81,8 @@ def _output_pair(out, op: str) -> Tuple[torch.Tensor, torch.Tensor]:
 def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace, out):
     if inplace and out is not None:
         raise ValueError("rope: pass inplace=True or out=, not both")
+    if sequence_dim is None:  # [B, S, C] has its sequence in dim 1, [B, H, S, D] in dim 2
+        sequence_dim = 1 if isinstance(q, torch.Tensor) and q.dim() == 3 else 2
     if inplace:
         check_no_grad("rope", q, k, cos, sin)
         ops.rope_(q, k, cos, sin, interleaved, sequence_dim)
