@@ -11,7 +11,8 @@ float64 (q, k and the tables), in double.
 
 Autograd: the functional forms are differentiable in q and k (the backward is the same
 kernel rotating the other way; qk_norm_rope also in its weights). The tables are
-constants: a cos or sin that requires grad is refused at backward time.
+constants: a cos or sin that requires grad is refused at backward time. Double backward
+and forward-mode AD raise, as do ``inplace=True`` and ``out=`` on tensors that require grad.
 """
 
 from typing import Optional, Tuple
@@ -19,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
-from ._autograd import check_no_grad
+from ._args import check_not_bool
 
 
 def rope_rotate_half(
@@ -61,10 +62,10 @@ def qk_norm_rope(
     (slices of a fused qkv projection work); C even, at most 16384 (bf16/fp16) or 8192
     (fp32) on CUDA (4096 for views not 16-byte aligned). ``out=(q_out, k_out)`` may be
     ``(q, k)``."""
+    check_not_bool("qk_norm_rope", eps=eps)
     if out is None:
         return ops.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
     q_out, k_out = _output_pair(out, "qk_norm_rope")
-    check_no_grad("qk_norm_rope", q, k, q_weight, k_weight, cos, sin)
     ops.qk_norm_rope_out(q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps)
     return q_out, k_out
 
@@ -83,13 +84,12 @@ def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace, out):
         raise ValueError("rope: pass inplace=True or out=, not both")
     if sequence_dim is None:  # [B, S, C] has its sequence in dim 1, [B, H, S, D] in dim 2
         sequence_dim = 1 if isinstance(q, torch.Tensor) and q.dim() == 3 else 2
+    check_not_bool("rope", sequence_dim=sequence_dim)
     if inplace:
-        check_no_grad("rope", q, k, cos, sin)
         ops.rope_(q, k, cos, sin, interleaved, sequence_dim)
         return q, k
     if out is not None:
         q_out, k_out = _output_pair(out, "rope")
-        check_no_grad("rope", q, k, cos, sin)
         ops.rope_out(q_out, k_out, q, k, cos, sin, interleaved, sequence_dim)
         return q_out, k_out
     return ops.rope(q, k, cos, sin, interleaved, sequence_dim)
