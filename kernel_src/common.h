@@ -3,14 +3,16 @@
 // Lean on purpose: no torch/all.h (5x slower builds).
 #pragma once
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace ltx {
 
@@ -124,28 +126,126 @@ inline RowView row_view(const at::Tensor& t, const char* op, const char* arg) {
   return {rows, cols, row_stride};
 }
 
-// An output must not write one element twice (expanded views) and must not partly
-// overlap an input; the very same memory as an input (in place) is fine.
-inline void check_output_overlap(const at::Tensor& out, std::initializer_list<const at::Tensor*> inputs,
-                                 const char* op, const char* arg) {
-  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes, op, ": ", arg,
-              " has elements that share memory (an expanded view?); pass a tensor that owns its memory");
-  for (const at::Tensor* in : inputs) {
-    if (in == nullptr || !in->defined()) continue;
-    TORCH_CHECK(at::get_overlap_status(out, *in) != at::MemOverlapStatus::Partial, op, ": ", arg,
-                " partly overlaps an input; outputs may be an input itself or separate memory");
+// Memory shared between tensors, told by byte ranges (at::get_overlap_status gives up on
+// views that are not dense, which is where the slices of a fused projection live).
+namespace overlap_detail {
+
+// The (byte stride, size) of each dim of more than one element.
+inline std::vector<std::pair<int64_t, int64_t>> strided_dims(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  const int64_t item = static_cast<int64_t>(t.element_size());
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d) * item, t.size(d));
+  }
+  return dims;
+}
+
+// [first byte, one past the last byte] of t's elements.
+inline std::pair<std::uintptr_t, std::uintptr_t> byte_range(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(t.const_data_ptr());
+  std::uintptr_t end = begin + t.element_size();
+  for (const auto& [stride, size] : strided_dims(t)) end += static_cast<std::uintptr_t>(stride * (size - 1));
+  return {begin, end};
+}
+
+// The very same elements: one address, element size, sizes and strides (but those of
+// size-1 dims, which never move).
+inline bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.const_data_ptr() == b.const_data_ptr() && a.element_size() == b.element_size() &&
+         a.sizes() == b.sizes() && strided_dims(a) == strided_dims(b);
+}
+
+// Within a period of `period` bytes, t's bytes all lie in [start, start + extent) (mod the
+// period) when its dims of a stride that is not a multiple of the period span less than
+// one period. Returns the extent, or -1 when they span more.
+inline int64_t extent_within(const at::Tensor& t, int64_t period) {
+  int64_t extent = static_cast<int64_t>(t.element_size());
+  for (const auto& [stride, size] : strided_dims(t)) {
+    if (stride % period != 0) extent += stride * (size - 1);
+  }
+  return extent <= period ? extent : -1;
+}
+
+// Whether a and b provably share no byte although their ranges overlap: for some period
+// (one of their strides), each lies in an interval (mod the period) and the two intervals
+// are apart, as column slices of one row-strided buffer are (qkv[..., :D] and qkv[..., D:2D]).
+inline bool interleaved_apart(const at::Tensor& a, const at::Tensor& b) {
+  const auto a_dims = strided_dims(a), b_dims = strided_dims(b);
+  for (const auto* dims : {&a_dims, &b_dims}) {
+    for (const auto& [period, size] : *dims) {
+      if (period <= 0) continue;
+      const int64_t extent_a = extent_within(a, period), extent_b = extent_within(b, period);
+      if (extent_a < 0 || extent_b < 0) continue;
+      const auto p = static_cast<std::uintptr_t>(period);
+      const auto a_start = reinterpret_cast<std::uintptr_t>(a.const_data_ptr()) % p;
+      const auto b_start = reinterpret_cast<std::uintptr_t>(b.const_data_ptr()) % p;
+      const std::uintptr_t b_after_a = (b_start + p - a_start) % p;  // where b starts, seen from a's start
+      if (b_after_a >= static_cast<std::uintptr_t>(extent_a) &&
+          p - b_after_a >= static_cast<std::uintptr_t>(extent_b)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace overlap_detail
+
+enum class Sharing { kNone, kSameView, kPartial };
+
+// kNone: no byte in common (different memory, or provably apart views of one buffer);
+// kSameView: the same elements exactly; kPartial: anything else, refused by the checks.
+inline Sharing memory_sharing(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) {
+    return Sharing::kNone;
+  }
+  const auto [a_begin, a_end] = overlap_detail::byte_range(a);
+  const auto [b_begin, b_end] = overlap_detail::byte_range(b);
+  if (a_end <= b_begin || b_end <= a_begin) return Sharing::kNone;
+  if (overlap_detail::same_view(a, b)) return Sharing::kSameView;
+  return overlap_detail::interleaved_apart(a, b) ? Sharing::kNone : Sharing::kPartial;
+}
+
+// Whether each element of t has bytes of its own: with its dims sorted by stride, each
+// stride clears the span of the dims inside it. (Some interleavings that also pass that
+// test are refused: an output must be plainly non-overlapping.)
+inline bool elements_apart(const at::Tensor& t) {
+  auto dims = overlap_detail::strided_dims(t);
+  std::sort(dims.begin(), dims.end());
+  int64_t span = static_cast<int64_t>(t.element_size());
+  for (const auto& [stride, size] : dims) {
+    if (stride < span) return false;
+    span = stride * (size - 1) + span;
+  }
+  return true;
+}
+
+struct Named {
+  const at::Tensor* tensor;  // nullptr or undefined: skipped
+  const char* name;
+};
+
+// An output must not write one element twice (expanded views) and must not share memory
+// with an input, but for being that input itself (in place: the same elements exactly).
+inline void check_output_overlap(const at::Tensor& out, std::initializer_list<Named> inputs, const char* op,
+                                 const char* arg) {
+  TORCH_CHECK(out.numel() == 0 || elements_apart(out), op, ": ", arg,
+              " has elements that share memory (an expanded view?): sizes ", out.sizes(), " and strides ",
+              out.strides(), "; pass a tensor that owns its memory");
+  for (const auto& [in, name] : inputs) {
+    if (in == nullptr) continue;
+    TORCH_CHECK(memory_sharing(out, *in) != Sharing::kPartial, op, ": ", arg, " partly overlaps an input (", name,
+                "); an output may be that input itself (the same view: in place) or memory apart from it");
   }
 }
 
 // Two tensors that must not share memory at all: two outputs of one op, or an output and
 // an input that is still read after the output is written (by other rows or heads).
-// (Interleaved slices of one buffer, such as q and k of a fused qkv, are "too hard" to
-// tell apart cheaply and pass.)
+// Column slices of one buffer, such as q and k of a fused qkv, are apart.
 inline void check_disjoint_outputs(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg_a,
                                    const char* arg_b) {
-  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
-  TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ", arg_a,
-              " and ", arg_b, " share memory; they must be separate tensors");
+  TORCH_CHECK(memory_sharing(a, b) == Sharing::kNone, op, ": ", arg_a, " and ", arg_b,
+              " share memory; they must be separate tensors");
 }
 
 inline bool aligned_to(const void* p, std::size_t bytes) {

@@ -164,8 +164,7 @@ struct Checker {
   void check_input() {
     check_device(input, device, op, "input");
     check_float_dtype(input, op, "input");
-    TORCH_CHECK(input.dim() >= 1 && input.size(-1) > 0, op,
-                ": input must have a non-empty last dim, got sizes ", input.sizes());
+    TORCH_CHECK(input.dim() >= 1, op, ": input must have at least 1 dim (the one normalised), got a 0-dim tensor");
     TORCH_CHECK(input.size(-1) <= std::numeric_limits<int32_t>::max(), op, ": last dim ",
                 input.size(-1), " is too large (at most 2^31 - 1)");
     const RowView v = row_view(input, op, "input");
@@ -175,7 +174,7 @@ struct Checker {
     a.rows = v.rows;
     a.cols = v.cols;
     a.input_stride = v.row_stride;
-    a.inv_cols = 1.0f / static_cast<float>(v.cols);
+    a.inv_cols = v.cols > 0 ? 1.0f / static_cast<float>(v.cols) : 0.f;  // no columns: no rows run
   }
 
   // Same sizes and device as input; dtype as given. Returns its row stride.
@@ -197,7 +196,7 @@ struct Checker {
                 fp32_allowed && a.dtype != at::kDouble ? " (the weight may be the input's dtype or float32)" : "");
     TORCH_CHECK(w->dim() == 1 && w->size(0) == a.cols, op, ": weight must have shape [", a.cols,
                 "] (the input's last dim), got ", w->sizes());
-    TORCH_CHECK(w->stride(0) == 1 || a.cols == 1, op, ": weight must be contiguous, got stride ",
+    TORCH_CHECK(w->stride(0) == 1 || a.cols <= 1, op, ": weight must be contiguous, got stride ",
                 w->stride(0));
     a.weight = w->const_data_ptr();
     a.weight_fp32 = fp32;
@@ -215,19 +214,23 @@ struct Checker {
   // The AdaLN part: norm kind and eps, scale and shift, and out, which must not partly
   // overlap `inputs` (the op's other inputs).
   void adaln(at::Tensor& out, const at::Tensor& scale, const at::Tensor& shift, double eps, const std::string& norm,
-             std::initializer_list<const at::Tensor*> inputs, at::Tensor* stats_out) {
+             std::initializer_list<Named> inputs, at::Tensor* stats_out) {
     a.kind = parse_kind(norm, op);
     check_eps(eps, op);
     a.scale = modulation(scale, "scale");
     a.shift = modulation(shift, "shift");
     a.out_stride = like_input(out, "out", a.dtype);
-    check_output_overlap(out, {&input, &scale, &shift}, op, "out");
+    check_output_overlap(out, {{&input, "input"}, {&scale, "scale"}, {&shift, "shift"}}, op, "out");
     check_output_overlap(out, inputs, op, "out");
     a.out = out.mutable_data_ptr();
     a.eps = static_cast<float>(eps);
     if (stats_out != nullptr) {
       check_stats(*stats_out, "stats");
       a.stats = stats_out->mutable_data_ptr<float>();
+      if (a.rows == 0 && stats_out->numel() > 0) {  // rows of no columns: as torch's layer_norm gives them
+        stats_out->select(-1, 0).zero_();
+        stats_out->select(-1, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+      }
     }
   }
 
@@ -256,7 +259,7 @@ struct Checker {
     const int64_t ms = d == 3 ? m.size(1) : 1;
     TORCH_CHECK((mb == batch || mb == 1) && (ms == tokens || ms == 1), op, ": ", arg, " with sizes ",
                 m.sizes(), " does not broadcast to input [B=", batch, ", S=", tokens, ", D=", a.cols, "]");
-    TORCH_CHECK(m.stride(-1) == 1 || a.cols == 1, op, ": ", arg,
+    TORCH_CHECK(m.stride(-1) == 1 || a.cols <= 1, op, ": ", arg,
                 " must be contiguous in its last dim, got stride ", m.stride(-1));
     Modulation mod;
     mod.ptr = m.const_data_ptr();
@@ -280,7 +283,7 @@ inline NormArgs rms_args(const char* op, c10::DeviceType device, at::Tensor& out
               " but input has dtype ", a.dtype, a.dtype == at::kDouble ? "" : " (out may be the input's dtype or float32)");
   TORCH_CHECK(!a.out_fp32 || a.weight_fp32, op, ": a float32 out needs a float32 weight");
   a.out_stride = c.like_input(out, "out", out.scalar_type());
-  check_output_overlap(out, {&input, weight ? &*weight : nullptr}, op, "out");
+  check_output_overlap(out, {{&input, "input"}, {weight ? &*weight : nullptr, "weight"}}, op, "out");
   a.out = out.mutable_data_ptr();
   a.eps = static_cast<float>(eps);
   a.weight_offset = static_cast<float>(weight_offset);
@@ -439,8 +442,9 @@ void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at:
   a.residual_stride = c.like_input(residual, "residual", a.dtype);
   a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
   check_disjoint_outputs(out, residual_out, op, "out", "residual_out");
-  check_output_overlap(out, {&residual}, op, "out");
-  check_output_overlap(residual_out, {&input, &residual, weight ? &*weight : nullptr}, op, "residual_out");
+  check_output_overlap(out, {{&residual, "residual"}}, op, "out");
+  check_output_overlap(residual_out, {{&input, "input"}, {&residual, "residual"}, {weight ? &*weight : nullptr, "weight"}},
+                       op, "residual_out");
   a.residual = residual.const_data_ptr();
   a.residual_out = residual_out.mutable_data_ptr();
   if (a.rows > 0) Backend::run(a);
@@ -477,7 +481,7 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
   c.batch_tokens();
   a.residual_stride = c.like_input(residual, "residual", a.dtype);
   a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
-  check_output_overlap(residual_out, {&input, &residual, &gate}, op, "residual_out");
+  check_output_overlap(residual_out, {{&input, "input"}, {&residual, "residual"}, {&gate, "gate"}}, op, "residual_out");
   a.residual = residual.const_data_ptr();
   a.residual_out = residual_out.mutable_data_ptr();
   a.gate = c.modulation(gate, "gate");
@@ -490,7 +494,7 @@ void gated_residual_out(at::Tensor& residual_out, const std::optional<at::Tensor
     // A row's residual_out is stored before its scale and shift are read: no shared memory.
     check_disjoint_outputs(residual_out, *scale, op, "residual_out", "scale");
     check_disjoint_outputs(residual_out, *shift, op, "residual_out", "shift");
-    c.adaln(out_tensor, *scale, *shift, eps, norm, {&residual, &gate}, stats);
+    c.adaln(out_tensor, *scale, *shift, eps, norm, {{&residual, "residual"}, {&gate, "gate"}}, stats);
   }
   if (a.rows > 0) Backend::run(a);
 }

@@ -6,7 +6,7 @@
 // Only the first R = cos.size(-1) channels rotate (partial rotary); the rest pass through.
 // fp32 math, one rounding to the input dtype.
 //
-// Layouts: q and k are [B, S, C] (LTX: one "head" of C channels), [B, H, S, D]
+// Layouts: q and k are [B, S, C] (LTX: one "head" of C channels; sequence_dim 1), [B, H, S, D]
 // (transformers, FLUX) or [B, S, H, D] (FLUX, sequence_dim = 1), each with any strides but
 // a contiguous last dim (transposed views work); k may have fewer heads (GQA). cos and sin
 // are [S, R] or [B, S, R] in the input dtype or float32.
@@ -96,9 +96,12 @@ struct Bhsd {
 inline Bhsd as_bhsd(const at::Tensor& t, int64_t sequence_dim, const char* op, const char* arg) {
   TORCH_CHECK(t.dim() == 3 || t.dim() == 4, op, ": ", arg, " must be [B, S, C], [B, H, S, D] or [B, S, H, D], got sizes ",
               t.sizes());
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", arg, " must be contiguous in its last dim, got strides ",
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, ": ", arg, " must be contiguous in its last dim, got strides ",
               t.strides());
-  if (t.dim() == 3) return {{t.size(0), 1, t.size(1), t.size(2)}, {t.stride(0), 0, t.stride(1), 1}};
+  if (t.dim() == 3) {
+    TORCH_CHECK(sequence_dim == 1, op, ": sequence_dim must be 1 for a 3-D ", arg, " ([B, S, C]), got ", sequence_dim);
+    return {{t.size(0), 1, t.size(1), t.size(2)}, {t.stride(0), 0, t.stride(1), 1}};
+  }
   TORCH_CHECK(sequence_dim == 1 || sequence_dim == 2, op, ": sequence_dim must be 1 ([B, S, H, D]) or 2 ([B, H, S, D]), got ",
               sequence_dim);
   const int64_t s = sequence_dim, h = 3 - sequence_dim;
@@ -120,14 +123,14 @@ struct Table {
 
 // cos and sin: [S, R] or [B, S, R] of x's dtype or float32, one layout for both.
 inline Table check_tables(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& x, int64_t batch, int64_t seq,
-                          const char* op) {
+                          const char* op, const char* x_name = "q") {
   for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&cos, "cos"}, {&sin, "sin"}}) {
-    check_same_device(*t, x, op, arg, "q");
+    check_same_device(*t, x, op, arg, x_name);
     TORCH_CHECK(t->scalar_type() == x.scalar_type() || (t->scalar_type() == at::kFloat && is_16bit(x.scalar_type())),
-                op, ": ", arg, " has dtype ", t->scalar_type(), "; expected q's dtype (", x.scalar_type(), ")",
+                op, ": ", arg, " has dtype ", t->scalar_type(), "; expected ", x_name, "'s dtype (", x.scalar_type(), ")",
                 x.scalar_type() == at::kDouble ? "" : " or float32");
     TORCH_CHECK(t->dim() == 2 || t->dim() == 3, op, ": ", arg, " must be [S, R] or [B, S, R], got sizes ", t->sizes());
-    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, op, ": ", arg, " must be contiguous in its last dim");
+    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) <= 1, op, ": ", arg, " must be contiguous in its last dim");
   }
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.scalar_type() == sin.scalar_type(), op,
               ": cos and sin must share sizes, strides and dtype, got ", cos.sizes(), cos.strides(), " and ", sin.sizes(),
@@ -144,7 +147,7 @@ inline Table check_tables(const at::Tensor& cos, const at::Tensor& sin, const at
 // read those after an output element is written.
 inline void check_outputs_apart(const at::Tensor& q_out, const at::Tensor& k_out, const at::Tensor& q,
                                 const at::Tensor& k,
-                                std::initializer_list<std::pair<const at::Tensor*, const char*>> shared,
+                                std::initializer_list<Named> shared,
                                 const char* op) {
   check_disjoint_outputs(q_out, k, op, "q_out", "k");
   check_disjoint_outputs(k_out, q, op, "k_out", "q");
@@ -163,38 +166,44 @@ void rope_apply(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const
                 const at::Tensor& sin, bool interleaved, int64_t sequence_dim, bool inverse) {
   using rope_detail::as_bhsd;
   const char* op = inverse ? "rope_backward" : "rope";
-  check_device(q, Backend::device, op, "q");
-  check_float_dtype(q, op, "q");
+  // the names the op's schema gives q and k
+  const char* q_name = inverse ? "grad_q" : "q";
+  const char* k_name = inverse ? "grad_k" : "k";
+  check_device(q, Backend::device, op, q_name);
+  check_float_dtype(q, op, q_name);
   RopeArgs a;
   a.dtype = q.scalar_type();
   a.device = q.device();
   a.interleaved = interleaved;
   a.inverse = inverse;
-  const auto qv = as_bhsd(q, sequence_dim, op, "q");
+  const auto qv = as_bhsd(q, sequence_dim, op, q_name);
   a.batch = qv.size[0], a.seq = qv.size[2], a.head_dim = qv.size[3];
-  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&q_out, "q_out"}, {&k_out, "k_out"}}) {
-    check_same_device(*t, q, op, arg, "q");
-    TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(), " but q has dtype ", a.dtype);
+  for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&k, k_name}, {&q_out, "q_out"}, {&k_out, "k_out"}}) {
+    check_same_device(*t, q, op, arg, q_name);
+    TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(), " but ", q_name,
+                " has dtype ", a.dtype);
   }
-  TORCH_CHECK(k.dim() == q.dim(), op, ": k has sizes ", k.sizes(), " but q has sizes ", q.sizes());
-  const auto kv = as_bhsd(k, sequence_dim, op, "k");
-  TORCH_CHECK(kv.size[0] == a.batch && kv.size[2] == a.seq && kv.size[3] == a.head_dim, op, ": k has sizes ", k.sizes(),
-              " but q has sizes ", q.sizes(), " (batch, sequence and head dim must agree; heads may differ)");
+  TORCH_CHECK(k.dim() == q.dim(), op, ": ", k_name, " has sizes ", k.sizes(), " but ", q_name, " has sizes ", q.sizes());
+  const auto kv = as_bhsd(k, sequence_dim, op, k_name);
+  TORCH_CHECK(kv.size[0] == a.batch && kv.size[2] == a.seq && kv.size[3] == a.head_dim, op, ": ", k_name, " has sizes ",
+              k.sizes(), " but ", q_name, " has sizes ", q.sizes(),
+              " (batch, sequence and head dim must agree; heads may differ)");
   TORCH_CHECK(q_out.sizes() == q.sizes(), op, ": q_out has sizes ", q_out.sizes(), " but q has sizes ", q.sizes());
   TORCH_CHECK(k_out.sizes() == k.sizes(), op, ": k_out has sizes ", k_out.sizes(), " but k has sizes ", k.sizes());
-  check_output_overlap(q_out, {&q, &k, &cos, &sin}, op, "q_out");
-  check_output_overlap(k_out, {&q, &k, &cos, &sin}, op, "k_out");
+  check_output_overlap(q_out, {{&q, q_name}, {&k, k_name}, {&cos, "cos"}, {&sin, "sin"}}, op, "q_out");
+  check_output_overlap(k_out, {{&q, q_name}, {&k, k_name}, {&cos, "cos"}, {&sin, "sin"}}, op, "k_out");
   check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out");
   rope_detail::check_outputs_apart(q_out, k_out, q, k, {{&cos, "cos"}, {&sin, "sin"}}, op);
   rope_detail::fill(a.q, qv, as_bhsd(q_out, sequence_dim, op, "q_out"), q, q_out);
   rope_detail::fill(a.k, kv, as_bhsd(k_out, sequence_dim, op, "k_out"), k, k_out);
 
-  const rope_detail::Table table = rope_detail::check_tables(cos, sin, q, a.batch, a.seq, op);
+  const rope_detail::Table table = rope_detail::check_tables(cos, sin, q, a.batch, a.seq, op, q_name);
   a.table_fp32 = table.fp32;
   a.table_b = table.batch_stride;
   a.table_s = table.seq_stride;
   a.rotary_dim = table.dim;
-  TORCH_CHECK(a.rotary_dim % 2 == 0 && a.rotary_dim > 0 && a.rotary_dim <= a.head_dim, op,
+  // (an empty head dim rotates nothing: empty tables)
+  TORCH_CHECK(a.rotary_dim % 2 == 0 && a.rotary_dim <= a.head_dim && (a.rotary_dim > 0 || a.head_dim == 0), op,
               ": cos's last dim (the rotary dim) must be even and in [2, ", a.head_dim, "], got ", a.rotary_dim);
   a.cos = cos.const_data_ptr();
   a.sin = sin.const_data_ptr();
@@ -232,7 +241,7 @@ void qk_norm_rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q,
   for (const auto& [t, arg] : {std::pair<const at::Tensor*, const char*>{&q_weight, "q_weight"}, {&k_weight, "k_weight"}}) {
     check_same_device(*t, q, op, arg, "q");
     TORCH_CHECK(t->scalar_type() == a.dtype, op, ": ", arg, " has dtype ", t->scalar_type(), " but q has dtype ", a.dtype);
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == a.channels && (t->stride(0) == 1 || a.channels == 1), op, ": ", arg,
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == a.channels && (t->stride(0) == 1 || a.channels <= 1), op, ": ", arg,
                 " must be a contiguous [", a.channels, "], got sizes ", t->sizes());
   }
   TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
@@ -241,8 +250,8 @@ void qk_norm_rope_out(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q,
   a.table_fp32 = table.fp32;
   a.table_b = table.batch_stride;
   a.table_s = table.seq_stride;
-  check_output_overlap(q_out, {&q, &k, &cos, &sin}, op, "q_out");
-  check_output_overlap(k_out, {&q, &k, &cos, &sin}, op, "k_out");
+  check_output_overlap(q_out, {{&q, "q"}, {&k, "k"}, {&cos, "cos"}, {&sin, "sin"}}, op, "q_out");
+  check_output_overlap(k_out, {{&q, "q"}, {&k, "k"}, {&cos, "cos"}, {&sin, "sin"}}, op, "k_out");
   check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out");
   rope_detail::check_outputs_apart(q_out, k_out, q, k,
                                    {{&cos, "cos"}, {&sin, "sin"}, {&q_weight, "q_weight"}, {&k_weight, "k_weight"}}, op);

@@ -484,3 +484,50 @@ def test_raw_norm_backward_ops_refuse_a_grad_out_of_another_dtype(kernel, device
             if other != dtype:
                 with pytest.raises(RuntimeError, match=rf"{name}: grad_out has dtype"):
                     call(torch.randn_like(x, dtype=other))
+
+
+def test_forward_mode_transforms_raise_naming_the_op(kernel, device):
+    """torch.func.jvp and jacfwd (and plain dual tensors) meet a clear error: the ops have
+    no forward-mode formula, and their outputs would carry no tangent."""
+    x = torch.randn(3, 16, device=device)
+    with pytest.raises(NotImplementedError, match="rms_norm: forward-mode AD"):
+        torch.func.jvp(lambda t: kernel.rms_norm(t, None, 1e-6), (x,), (torch.ones_like(x),))
+    with pytest.raises(NotImplementedError, match="gelu: forward-mode AD"):
+        torch.func.jacfwd(lambda t: kernel.gelu(t))(x)
+    q = torch.randn(1, 2, 3, 8, device=device)
+    cos, sin = torch.ones(3, 8, device=device), torch.zeros(3, 8, device=device)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="rope: forward-mode AD"):
+            kernel.rope_interleaved(dual, q, cos, sin)
+
+
+def test_writes_that_autograd_would_miss_are_seen_or_refused(kernel, device):
+    """A tensor saved for a backward and then overwritten by an out= form makes that
+    backward raise (its version went up); an out that requires grad, an inference-tensor
+    out, and a raw in-place op on a leaf that requires grad are refused while grad mode is
+    on; under torch.no_grad() the leaf update runs."""
+    x = torch.randn(4, 64, device=device)
+    w = torch.randn(4, 64, device=device, requires_grad=True)
+    a = w * 1
+    b = a.sin()  # saves a
+    with torch.no_grad():
+        kernel.gelu(x, out=a)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
+    with pytest.raises(RuntimeError, match="rms_norm_out: .*out requires grad"):
+        kernel.rms_norm(x, None, out=torch.empty(4, 64, device=device, requires_grad=True))
+    with torch.inference_mode():
+        frozen = torch.empty(4, 64, device=device)
+    with pytest.raises(RuntimeError, match="gelu_out: out is an inference tensor"):
+        kernel.gelu(x, out=frozen)
+    q = torch.randn(1, 2, 3, 8, device=device, requires_grad=True)
+    k = torch.randn(1, 2, 3, 8, device=device)
+    cos, sin = torch.randn(3, 8, device=device), torch.randn(3, 8, device=device)
+    with pytest.raises(RuntimeError, match="rope_: .*q requires grad"):
+        kernel.ops.rope_(q, k, cos, sin, False, 2)
+    before = q.detach().clone()
+    with torch.no_grad():
+        version = q._version
+        kernel.ops.rope_(q, k, cos, sin, False, 2)
+    assert q._version > version and not torch.equal(q.detach(), before)

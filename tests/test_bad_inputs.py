@@ -1,13 +1,20 @@
 """Bad input, generated from a table: every public function, its out-variant and the
 layers, with one tensor argument at a time given the wrong device, dtype, rank, shape,
-strides, alignment, or memory shared with an input, plus whole-call variations (empty,
-rows longer than a CUDA block holds, NaN/Inf).
+strides, alignment, or memory shared with an input (directly or through strided views),
+plus whole-call variations (empty, an empty last dim, rows longer than a CUDA block holds,
+NaN/Inf) and autograd misuse (outputs that require grad or are inference tensors, written
+tensors that a backward saved, dual tensors, double backward).
 
-Each case expects one of two outcomes and nothing else: a RuntimeError (or ValueError)
-whose message names the argument, or the fp64 reference's result (NaN and Inf where the
-reference has them). Cases run on every target of conftest.py; GPU-only cases (devices)
-skip without a GPU. The module prints how many cases ran at the end."""
+Each case expects one of two outcomes and nothing else: a RuntimeError (or ValueError,
+TypeError) whose message names the argument, or the fp64 reference's result (NaN and Inf
+where the reference has them). Cases run on every target of conftest.py; GPU-only cases
+(devices) skip without a GPU. The module prints how many cases ran at the end.
 
+Below the matrix, every op registered in the build's namespace (kernel.ops: the backward
+ops and the forwards with statistics too) is walked with wrong dtypes, devices, shapes and
+overlapping outputs: each call refuses cleanly or gives its own float64 run's result."""
+
+import contextlib
 import re
 import zlib
 from dataclasses import dataclass, field, replace
@@ -16,6 +23,7 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from conftest import HAS_GPU
@@ -80,6 +88,13 @@ class Refuse:
 
 
 REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class Bumped:
+    """The reference's result, and each of these tensors' version counter went up (autograd
+    then refuses a backward that saved one of them before the write)."""
+    keys: tuple
 
 
 def rand(shape, dtype, device, scale=1.0, offset=0.0):
@@ -429,6 +444,32 @@ def poisoned(t: torch.Tensor) -> torch.Tensor:
     return flat.view(t.shape)
 
 
+def sharing_rows(out: torch.Tensor, inp: torch.Tensor):
+    """(out, inp) views of one buffer with rows 3 elements longer than theirs, out one row
+    after inp: they overlap, and neither is dense."""
+    d = out.shape[-1]
+    buf = torch.zeros(out.numel() // max(d, 1) + 1, d + 3, dtype=out.dtype, device=out.device)
+    new_in = buf[:-1, :d].view(inp.shape)
+    new_in.copy_(inp)
+    return buf[1:, :d].view(out.shape), new_in
+
+
+def fused_qkv(q: torch.Tensor, k: torch.Tensor):
+    """q and k as slices of one fused projection: [B, S, 3, H, D] viewed as [B, H, S, D]
+    ([B, S, 3C] as [B, S, C] for 3-D q). Returns (q, k) views holding their values."""
+    if q.dim() == 3:
+        c = q.shape[-1]
+        qkv = torch.empty(*q.shape[:-1], 3 * c, dtype=q.dtype, device=q.device)
+        views = qkv[..., :c], qkv[..., c:2 * c]
+    else:
+        b, h, s, d = q.shape
+        qkv = torch.empty(b, s, 3, h, d, dtype=q.dtype, device=q.device)
+        views = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    views[0].copy_(q)
+    views[1].copy_(k)
+    return views
+
+
 def sharing(out: torch.Tensor, inp: torch.Tensor, shift: int = 1):
     """(out, inp) views of one buffer that partly overlap, both dense."""
     n = max(out.numel() + shift, inp.numel())
@@ -469,6 +510,7 @@ class Case:
     perturb: Callable  # (tensors, target) -> REFERENCE | Refuse
     dims: Dims = field(default_factory=Dims)
     gpu_only: bool = False
+    context: Callable = contextlib.nullcontext  # around the perturbation and the call
 
     def __str__(self):
         return f"{self.api.name}-{self.label}-{SHORT[self.dtype]}"
@@ -593,6 +635,16 @@ def output_cases(api: Api, out: Arg):
             return Refuse((out.says,))
         yield Case(api, f"{out.key}_partly_overlaps_{inp.key}", dtype, overlap)
 
+        def overlap_by_a_row(t, target, inp=inp):
+            t[out.key], t[inp.key] = sharing_rows(t[out.key], t[inp.key])
+            if inp.kind == "table":  # cos and sin must share strides: rows 3 elements longer
+                other = "sin" if inp.key == "cos" else "cos"
+                t[other] = padded(t[other])
+            return Refuse((out.says,))
+        if meta[inp.key] == meta[out.key]:  # b[1:, :D] against b[:-1, :D]: views that are not dense
+            yield Case(api, f"{out.key}_overlaps_{inp.key}_by_a_row", turn(api, out.key + inp.key, 1),
+                       overlap_by_a_row)
+
         def alias(t, target, inp=inp):
             t[out.key] = t[inp.key]
             if inp.key == out.owner or (api.row_local and (out.key, inp.key) not in api.apart):
@@ -669,6 +721,7 @@ def call_cases(api: Api):
                dims=Dims(b=1, s=2, d=6000, heads=1, rotary=5992) if rope or api.cuda_row_limit
                else Dims(b=1, s=2, d=HUGE_D))
     yield Case(api, "empty_seq", turn(api, "", 0), at_dims(), dims=Dims(s=0))
+    yield Case(api, "empty_last_dim", turn(api, "", 1), at_dims(), dims=Dims(d=0, rotary=0))
     for rank in api.bad_primary_ranks:
         def wrong_rank(t, target, rank=rank):
             x = t[api.primary.key]
@@ -677,9 +730,117 @@ def call_cases(api: Api):
         yield Case(api, f"{api.primary.key}_{rank}d", torch.float16, wrong_rank)
 
 
+# ---------------------------------------------------------------------------- autograd misuse
+
+
+def op_name(api: Api) -> str:
+    """The registered op behind a functional form, as its messages name it."""
+    base = api.name.split("[")[0]
+    base = "rope" if base.startswith("rope_") else base
+    if api.name.endswith("[out]"):
+        return f"{base}_out"
+    return f"{base}_" if api.name.endswith("[inplace]") else base
+
+
+def written_args(api: Api):
+    """The tensors a call writes: its outputs, or q and k in place."""
+    if api.name.endswith("[inplace]"):
+        return [a for a in api.args if a.key in ("q", "k")]
+    return [a for a in api.args if a.output]
+
+
+# The backward op whose outputs a double backward reaches (qk_norm_rope: either of its two).
+BACKWARD_OPS = {"rms_norm": ("rms_norm_backward",), "fused_add_rms_norm": ("rms_norm_backward",),
+                "adaln": ("adaln_backward",), "gated_residual": ("gated_residual_backward",),
+                "gated_residual_adaln": ("gated_residual_adaln_backward",), "rope": ("rope_backward",),
+                "qk_norm_rope": ("rope_backward", "rms_norm_backward"), "gelu": ("gelu_backward",),
+                "gelu_mul": ("gelu_mul_backward",), "geglu": ("geglu_backward",)}
+
+
+def double_backward(call):
+    """The call, a backward with create_graph=True, then the backward of those grads."""
+    def run(kernel, t):
+        inputs = [v for v in t.values() if v.requires_grad]
+        loss = sum(o.float().square().sum() for o in call(kernel, t))
+        grads = torch.autograd.grad(loss, inputs, create_graph=True)
+        torch.autograd.grad(sum(g.float().sum() for g in grads), inputs)
+    return run
+
+
+def backward_after(call):
+    """The call under torch.no_grad() (an in-place update), then the backward of the
+    tensor saved before it (t["_saved"])."""
+    def run(kernel, t):
+        with torch.no_grad():
+            call(kernel, t)
+        t["_saved"].sum().backward()
+    return run
+
+
+def autograd_cases(api: Api):
+    """Forward-mode AD; double backward (functional forms); for the forms that write: written
+    tensors that require grad, are inference tensors or were saved for a backward, and
+    their version counters."""
+    if api.name.startswith("layers."):  # the layers hand what they do not take to the host
+        return
+    dtype = torch.float32
+    op = op_name(api)
+
+    def dual(t, target):
+        x = t[api.primary.key]
+        t[api.primary.key] = fwAD.make_dual(x, torch.randn_like(x))
+        return Refuse((op,), NotImplementedError)
+    yield Case(api, "forward_ad_dual_input", dtype, dual, context=fwAD.dual_level)
+
+    written = written_args(api)
+    if not written:
+        def needs_grad(t, target):
+            for a in api.args:
+                if a.kind != "table":
+                    t[a.key] = t[a.key].detach().requires_grad_()
+            return Refuse(BACKWARD_OPS[op])
+        yield Case(replace(api, call=double_backward(api.call)), "double_backward", dtype, needs_grad)
+        return
+
+    for arg in written:
+        def requires_grad(t, target, arg=arg):
+            t[arg.key] = t[arg.key].detach().clone().requires_grad_()
+            return Refuse((arg.says,))
+        yield Case(api, f"{arg.key}_requires_grad", dtype, requires_grad)
+
+        def inference_tensor(t, target, arg=arg):
+            with torch.inference_mode():
+                t[arg.key] = t[arg.key].clone()
+            return Refuse((arg.says,))
+        yield Case(api, f"{arg.key}_inference_tensor", dtype, inference_tensor)
+
+        def saved_for_backward(t, target, arg=arg):
+            leaf = t[arg.key].detach().clone().requires_grad_()
+            t[arg.key] = leaf * 1  # a non-leaf that sin() saves for its backward
+            t["_saved"] = t[arg.key].sin()
+            return Refuse(("modified by an inplace operation",))
+        yield Case(replace(api, call=backward_after(api.call)), f"{arg.key}_saved_for_backward", dtype,
+                   saved_for_backward)
+
+    keys = tuple(a.key for a in written)
+    yield Case(api, "written_versions_bumped", dtype, lambda t, target: Bumped(keys))
+    yield Case(api, "written_versions_bumped_in_inference_mode", dtype, lambda t, target: Bumped(keys),
+               context=torch.inference_mode)
+    if api.name.startswith(("rope_", "qk_norm_rope")) and api.name.endswith("[out]"):
+        def swapped(t, target):
+            t["q"], t["k"] = fused_qkv(t["q"], t["k"])
+            qkv = t["q"]._base
+            # fresh views of k's and q's slices: the same elements, other tensor objects
+            t["q_out"], t["k_out"] = (qkv.as_strided(v.shape, v.stride(), v.storage_offset())
+                                      for v in (t["k"], t["q"]))
+            return Refuse(("q_out", "k_out"))
+        yield Case(api, "outputs_swapped_over_fused_qkv", dtype, swapped)
+
+
 def python_level_cases():
-    """Arguments checked in Python before any op runs: ValueError naming them."""
-    by_name = {api.name: api for api in NORM_APIS}
+    """Arguments checked in Python before any op runs: ValueError (TypeError for a bool
+    given for a number) naming them."""
+    by_name = {api.name: api for api in NORM_APIS + ROPE_APIS}
     value_error = Refuse(("norm",), ValueError)
     together = Refuse(("out", "residual_out"), ValueError)
     for name in ("adaln", "gated_residual_adaln"):
@@ -694,6 +855,39 @@ def python_level_cases():
                                                                         t["shift"], residual_out=t["residual_out"])),
                "residual_out_without_out", torch.float16, lambda t, target: together)
 
+    def bool_for(name, call):
+        api = by_name[name]
+        return Case(replace(api, name=f"{name}[bool]", call=call), "bool_for_a_number", torch.float16,
+                    lambda t, target: Refuse(("eps", "weight_offset", "sequence_dim"), TypeError))
+    yield bool_for("rms_norm", lambda k, t: k.rms_norm(t["x"], t["weight"], True))
+    yield bool_for("rms_norm[out]", lambda k, t: k.rms_norm(t["x"], t["weight"], weight_offset=True, out=t["out"]))
+    yield bool_for("fused_add_rms_norm", lambda k, t: k.fused_add_rms_norm(t["x"], t["residual"], t["weight"], True))
+    yield bool_for("adaln", lambda k, t: k.adaln(t["x"], t["scale"], t["shift"], True))
+    yield bool_for("gated_residual_adaln",
+                   lambda k, t: k.gated_residual_adaln(t["residual"], t["x"], t["gate"], t["scale"], t["shift"], True))
+    yield bool_for("qk_norm_rope",
+                   lambda k, t: k.qk_norm_rope(t["q"], t["k"], t["q_weight"], t["k_weight"], t["cos"], t["sin"], True))
+    yield bool_for("rope_rotate_half",
+                   lambda k, t: k.rope_rotate_half(t["q"], t["k"], t["cos"], t["sin"], sequence_dim=True))
+
+    # [B, S, C] has one sequence dim, 1: another is refused, not ignored
+    for name in ("rope_interleaved", "rope_rotate_half[inplace]", "rope_interleaved[out]"):
+        api = by_name[name]
+        fn = name.split("[")[0]
+        keywords = ({"inplace": True} if name.endswith("[inplace]")
+                    else {"out": "q_out"} if name.endswith("[out]") else {})
+
+        def call(k, t, fn=fn, keywords=keywords):
+            kw = {key: (t["q_out"], t["k_out"]) if value == "q_out" else value for key, value in keywords.items()}
+            return getattr(k, fn)(t["q"], t["k"], t["cos"], t["sin"], sequence_dim=2, **kw)
+
+        def three_d(t, target):
+            for key in ("q", "k", "q_out", "k_out"):
+                if key in t:
+                    t[key] = t[key][:, 0]  # [B, S, D]: one head as the channels
+            return Refuse(("sequence_dim",))
+        yield Case(replace(api, name=f"{name}[3d]", call=call), "sequence_dim_2_for_3d_q", torch.float16, three_d)
+
 
 def norm_group_call(name):
     if name == "adaln":
@@ -707,6 +901,7 @@ def all_cases():
             yield from arg_cases(api, arg)
         yield from table_cases(api)
         yield from call_cases(api)
+        yield from autograd_cases(api)
     yield from python_level_cases()
 
 
@@ -747,9 +942,14 @@ def test_bad_input(target, case):
         pytest.skip("needs a second device (GPU)")
     backend = "cuda" if "_cuda_" in kernel.ops.name else "cpu"
     tensors = case.api.make(case.dims, case.dtype, device)
-    expect = case.perturb(tensors, Target(backend, device))
+    with case.context():
+        run_case(kernel, case, tensors, Target(backend, device))
+
+
+def run_case(kernel, case, tensors, target):
+    expect = case.perturb(tensors, target)
     if isinstance(expect, Refuse):
-        with pytest.raises((RuntimeError, ValueError)) as info:
+        with pytest.raises((RuntimeError, ValueError, TypeError)) as info:
             case.api.call(kernel, tensors)
         assert isinstance(info.value, expect.error), f"{type(info.value).__name__}: {info.value}"
         names = "|".join(re.escape(n) for n in expect.names)
@@ -760,8 +960,11 @@ def test_bad_input(target, case):
     # Outputs may alias inputs: the reference reads a snapshot taken before the call.
     snapshot = {k: v.clone() for k, v in tensors.items()}
     expected = case.api.ref(snapshot)
+    versions = {k: tensors[k]._version for k in expect.keys} if isinstance(expect, Bumped) else {}
     outputs = case.api.call(kernel, tensors)
     check_outputs(case.api, outputs, expected, tensors[case.api.primary.key].dtype)
+    for k, before in versions.items():
+        assert tensors[k]._version > before, f"{k} was written but its version stayed {before}"
     _ran["reference"] += 1
 
 
@@ -775,3 +978,289 @@ def test_the_matrix_covers_every_public_function_and_layer(kernel):
     layers = {"RMSNorm", "RMSNormZeroCentered", "GeluTanh"}
     assert {f"layers.{n}" for n in layers} <= tried
     assert len(CASES) >= 500
+
+
+# ---------------------------------------------------------------------------- every registered op
+# The raw ops are public (kernel.ops): the backward ops, the forwards with row statistics and
+# the out= / in-place ops validate as the functional forms do. Each is walked from the
+# build's namespace (a new op without a sample fails test_every_registered_op_has_a_sample)
+# with one tensor argument at a time made wrong. A call must raise a clean error or give
+# what the same call gives in float64 (the CPU ops compute float64 in double): never a
+# crash, never a silent wrong result.
+
+CLEAN_ERRORS = (RuntimeError, TypeError, ValueError)
+# The functional ops with a backward (their grads: test_autograd.py, test_gradcheck.py);
+# every other op that writes no tensor has no derivative.
+DIFFERENTIABLE_OPS = {"rms_norm", "fused_add_rms_norm", "adaln", "gated_residual", "gated_residual_adaln", "rope",
+                      "qk_norm_rope", "gelu", "gelu_mul", "geglu"}
+
+
+def registered_ops(kernel):
+    """name -> OpOverload of every op in the build's namespace."""
+    prefix = kernel.ops.name + "::"
+    names = sorted(n[len(prefix):] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+    return {n: getattr(kernel.ops, n).default for n in names}
+
+
+def op_samples(kernel, device):
+    """name -> a valid call's arguments: bf16 tensors (fp32 tables), so that the fp32
+    weights, tables, outputs and grads that 16-bit inputs may take are among the changes."""
+    dt = torch.bfloat16
+    b, s, d, h = 2, 3, 16, 2
+
+    def r(*shape, scale=1.0, dtype=dt):
+        return (torch.randn(*shape) * scale).to(device=device, dtype=dtype)
+
+    x, res, g, g2 = r(b, s, d, scale=2.0), r(b, s, d), r(b, s, d), r(b, s, d)
+    w, gate, scale, shift = r(d), r(b, 1, d, scale=0.3), r(b, 1, d, scale=0.3), r(b, 1, d, scale=0.3)
+    q, k = r(b, h, s, d), r(b, 1, s, d)  # GQA
+    cos, sin = rope_tables(b, s, 12, torch.float32, device, interleaved=False)
+    lcos, lsin = rope_tables(b, s, d, torch.float32, device, interleaved=True)
+    stats = kernel.ops.adaln_with_stats(x, scale, shift, EPS, "layer")[1]
+    summed, _, summed_stats = kernel.ops.gated_residual_adaln_with_stats(res, x, gate, scale, shift, EPS, "rms")
+    e, wide = torch.empty_like, r(b, s, 2 * d)
+    return {
+        "rms_norm": [x, w, EPS, 0.0, False, None],
+        "rms_norm_out": [e(x), x, w, EPS, 1.0, False],
+        "fused_add_rms_norm": [x, res, w, EPS, 0.0, True],
+        "fused_add_rms_norm_out": [e(x), e(x), x, res, w, EPS, 0.0, False],
+        "adaln": [x, scale, shift, EPS, "layer"],
+        "adaln_out": [e(x), x, scale, shift, EPS, "rms"],
+        "adaln_with_stats": [x, scale, shift, EPS, "layer"],
+        "gated_residual": [res, x, gate],
+        "gated_residual_out": [e(x), res, x, gate],
+        "gated_residual_adaln": [res, x, gate, scale, shift, EPS, "rms"],
+        "gated_residual_adaln_out": [e(x), e(x), res, x, gate, scale, shift, EPS, "layer"],
+        "gated_residual_adaln_with_stats": [res, x, gate, scale, shift, EPS, "layer"],
+        "rms_norm_backward": [g, x, w, EPS, 0.0, False, g2],
+        "adaln_backward": [g, x, scale, shift, EPS, "layer", g2, stats],
+        "gated_residual_backward": [g, x, gate],
+        "gated_residual_adaln_backward": [g, g2, summed, x, gate, scale, shift, EPS, "rms", summed_stats],
+        "rope": [q, k, cos, sin, False, 2],
+        "rope_out": [e(q), e(k), q, k, cos, sin, False, 2],
+        "rope_": [q.clone(), k.clone(), cos, sin, False, 2],
+        "rope_backward": [q, k, cos, sin, False, 2],
+        "qk_norm_rope": [x, res, w, r(d), lcos, lsin, 1e-5],
+        "qk_norm_rope_out": [e(x), e(x), x, res, w, r(d), lcos, lsin, 1e-5],
+        "gelu": [x, "tanh"],
+        "gelu_out": [e(x), x, "none"],
+        "gelu_mul": [x, res, "tanh"],
+        "gelu_mul_out": [e(x), x, res, "tanh"],
+        "geglu": [wide, "none"],
+        "geglu_out": [e(x), wide, "tanh"],
+        "gelu_backward": [g, x, "none"],
+        "gelu_mul_backward": [g, x, res, "tanh"],
+        "geglu_backward": [g, wide, "tanh"],
+    }
+
+
+def tensor_args(op):
+    """(index, name, written) of each Tensor / Tensor? argument of the op's schema."""
+    for i, a in enumerate(op._schema.arguments):
+        if "Tensor" in str(a.type):
+            yield i, a.name, a.alias_info is not None and a.alias_info.is_write
+
+
+def results(op, args):
+    """What a call gives: its returned tensors and the tensors it writes."""
+    returned = op(*args)
+    returned = [] if returned is None else list(returned) if isinstance(returned, (tuple, list)) else [returned]
+    return returned + [args[i] for i, _, written in tensor_args(op) if written]
+
+
+def in_float64(op, args):
+    """The call with every tensor in float64 (row statistics stay fp32, as the ops take
+    them; an output dtype follows the input)."""
+    names = [a.name for a in op._schema.arguments]
+    converted = []
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor) and name != "stats":
+            a = a.detach().double()
+        elif isinstance(a, torch.dtype):
+            a = None
+        converted.append(a)
+    return converted
+
+
+def refuses_or_matches(op, args):
+    """None when the call refuses cleanly or matches its float64 run; else what went wrong."""
+    values = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # before any write
+    try:
+        ours = results(op, args)
+    except CLEAN_ERRORS:
+        return None
+    try:
+        expected = results(op, in_float64(op, values))
+    except CLEAN_ERRORS as e:
+        return f"accepted, but its float64 run refuses: {e}"
+    low = any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16) for a in args)
+    tol = 5e-2 if low else 1e-4
+    for i, (got, want) in enumerate(zip(ours, expected)):
+        if got.shape != want.shape:
+            return f"result {i} has shape {tuple(got.shape)}, float64 {tuple(want.shape)}"
+        scale = want.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if want.numel() else 0.0
+        if not torch.isclose(got.double(), want, rtol=tol, atol=tol * max(scale, 1.0), equal_nan=True).all():
+            return f"result {i} differs from the float64 run: max error {(got.double() - want).abs().max().item():.3g}"
+    return None
+
+
+def each_tensor_argument(kernel, device):
+    """(op name, op, a valid call's args, index, argument name, written) for every tensor
+    argument of every registered op."""
+    samples = op_samples(kernel, device)
+    for name, op in registered_ops(kernel).items():
+        for index, arg, written in tensor_args(op):
+            if samples[name][index] is not None:
+                yield name, op, samples[name], index, arg, written
+
+
+def walk(kernel, device, change):
+    """Applies change(op, args, index, name, written) -> [(label, args)] to every tensor
+    argument of every registered op; returns the calls that neither refused nor matched."""
+    failures = []
+    for name, op, sample, index, arg, written in each_tensor_argument(kernel, device):
+        for label, args in change(op, sample, index, arg, written):
+            problem = refuses_or_matches(op, args)
+            if problem:
+                failures.append(f"{name}({arg} {label}): {problem}")
+    return failures
+
+
+def replaced(args, index, value, *more):
+    """Fresh copies of args with args[index] = value (and more (index, value) pairs), as given."""
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    for i, v in ((index, value), *zip(more[::2], more[1::2])):
+        args[i] = v
+    return args
+
+
+def test_every_registered_op_has_a_sample(kernel):
+    registered = set(registered_ops(kernel))
+    assert len(registered) >= 30, registered
+    assert registered == set(op_samples(kernel, "cpu")), registered ^ set(op_samples(kernel, "cpu"))
+    assert registered >= DIFFERENTIABLE_OPS
+
+
+def test_every_registered_op_refuses_or_computes_other_dtypes(kernel, device):
+    def other_dtypes(op, args, index, name, written):
+        t = args[index]
+        for dtype in (torch.int32, torch.float64, torch.float16, torch.float32, torch.bfloat16):
+            if dtype != t.dtype:
+                yield f"as {dtype}", replaced(args, index, t.to(dtype))
+    assert walk(kernel, device, other_dtypes) == []
+
+
+def test_every_registered_op_refuses_or_computes_other_shapes(kernel, device):
+    def other_shapes(op, args, index, name, written):
+        t = args[index]
+        yield "with a column more", replaced(args, index, torch.cat([t, t[..., :1]], -1))
+        yield "with a row more", replaced(args, index, torch.cat([t, t[:1]], 0))
+        yield "with a leading dim more", replaced(args, index, t[None].clone())
+        yield "as its first element", replaced(args, index, t.flatten()[:1].clone())
+    assert walk(kernel, device, other_shapes) == []
+
+
+def test_every_registered_op_refuses_or_computes_overlapping_writes(kernel, device):
+    """A written tensor sharing memory with another argument of the call, dense (shifted by
+    one element) or not (shifted by a padded row)."""
+    def overlapping(op, args, index, name, written):
+        if not written:
+            return
+        for other, other_name, _ in tensor_args(op):
+            t = args[other]
+            if other == index or t is None or t.dtype != args[index].dtype:
+                continue
+            out, inp = sharing(args[index], t)
+            yield f"overlapping {other_name}", replaced(args, index, out, other, inp)
+            if t.shape == args[index].shape:
+                out, inp = sharing_rows(args[index], t)
+                yield f"a row after {other_name}", replaced(args, index, out, other, inp)
+    assert walk(kernel, device, overlapping) == []
+
+
+def unrefused(kernel, device, call, error, pattern):
+    """call(op, args, index) with each tensor argument of each registered op in turn must
+    raise `error` whose message matches pattern(op name, argument name); returns the calls
+    that did not."""
+    failures = []
+    for name, op, sample, index, arg, _ in each_tensor_argument(kernel, device):
+        try:
+            call(op, sample, index)
+            failures.append(f"{name} ({arg}): accepted")
+        except error as e:
+            if not re.search(pattern(name, arg), str(e)):
+                failures.append(f"{name} ({arg}): {e}")
+    return failures
+
+
+def test_every_registered_op_refuses_other_devices(kernel, device):
+    """A meta tensor in a call of the CPU kernels (called directly: a meta tensor in a call
+    sends it to the fake implementations instead): refused, naming the argument."""
+    if device != "cpu":
+        pytest.skip("the CPU kernels")
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+    def on_meta(op, args, index):
+        op.redispatch(cpu, *replaced(args, index, args[index].to("meta")))
+    assert unrefused(kernel, device, on_meta, RuntimeError,
+                     lambda name, arg: rf"\b{arg}\b.*\bmeta\b|\bmeta\b.*\b{arg}\b") == []
+
+
+def test_every_registered_op_refuses_forward_mode_ad(kernel, device):
+    def dual(op, args, index):
+        with fwAD.dual_level():
+            op(*replaced(args, index, fwAD.make_dual(args[index].clone(), torch.randn_like(args[index]))))
+    assert unrefused(kernel, device, dual, NotImplementedError, lambda name, arg: rf"\b{name}: forward-mode AD") == []
+
+
+def test_every_registered_op_that_writes_bumps_versions_and_refuses_autograd(kernel, device):
+    """Each written tensor's version goes up (in inference mode too); a call refuses while
+    grad mode is on and any of its tensors requires grad (a leaf written in place
+    included), and refuses to write an inference tensor outside inference mode."""
+    samples = op_samples(kernel, device)
+    failures = []
+    writing = {n: op for n, op in registered_ops(kernel).items() if any(w for *_, w in tensor_args(op))}
+    assert len(writing) == 11, sorted(writing)
+    for name, op in writing.items():
+        args = samples[name]
+        written = [(i, a) for i, a, w in tensor_args(op) if w]
+        for mode in (contextlib.nullcontext, torch.no_grad, torch.inference_mode):
+            fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            before = [fresh[i]._version for i, _ in written]
+            with mode():
+                op(*fresh)
+            after = [fresh[i]._version for i, _ in written]
+            if any(v <= u for u, v in zip(before, after)):
+                failures.append(f"{name} under {mode.__name__}: written versions {before} -> {after}")
+        for index, arg, is_written in tensor_args(op):
+            t = args[index]
+            if t is None or not t.is_floating_point():
+                continue
+            with_grad = replaced(args, index, t.clone().requires_grad_())
+            with pytest.raises(RuntimeError, match=rf"{name}: .*{arg} requires grad"):
+                op(*with_grad)
+            with torch.no_grad():  # an optimizer-style update (of a leaf, when written) runs
+                op(*with_grad)
+            if is_written:
+                with torch.inference_mode():
+                    inference = t.clone()
+                with pytest.raises(RuntimeError, match=rf"{name}: {arg} is an inference tensor"):
+                    op(*replaced(args, index, inference))
+    assert failures == []
+
+
+def test_every_registered_op_without_a_backward_refuses_double_backward(kernel, device):
+    """Called on tensors that require grad (as a backward with create_graph=True calls the
+    backward ops), an op without a derivative gives outputs whose backward raises, naming it."""
+    samples = op_samples(kernel, device)
+    for name, op in registered_ops(kernel).items():
+        if name in DIFFERENTIABLE_OPS or any(w for *_, w in tensor_args(op)):
+            continue
+        args = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in samples[name]]
+        outputs = results(op, args)
+        assert all(o.grad_fn is not None for o in outputs), name
+        loss = sum(o.float().sum() for o in outputs)
+        with pytest.raises(RuntimeError, match=rf"\b{name}\b.*(double backward is not supported|not differentiable)"):
+            torch.autograd.grad(loss, [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad])
+        with torch.no_grad():
+            assert all(o.grad_fn is None for o in results(op, samples[name])), name

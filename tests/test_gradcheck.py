@@ -152,3 +152,61 @@ def test_float64_takes_no_float32_beside_it(kernel):
     for message, call in calls.items():
         with pytest.raises(RuntimeError, match=message):
             call()
+
+
+def _differentiated(kernel):
+    """name -> (fn, float64 leaves, the op named when differentiated twice)."""
+    cos, sin = tables(2, 5, 8, interleaved=False)
+    icos, isin = tables(2, 5, 8, interleaved=True)
+    return {
+        "rms_norm": (lambda x, w: kernel.rms_norm(x, w, 1e-6), leaves((3, 8), (8,)), "rms_norm_backward"),
+        "fused_add_rms_norm": (lambda x, r, w: kernel.fused_add_rms_norm(x, r, w, 1e-6),
+                               leaves((3, 8), (3, 8), (8,)), "rms_norm_backward"),
+        "adaln": (lambda x, sc, sh: kernel.adaln(x, sc, sh, 1e-6, norm="layer"),
+                  leaves((2, 3, 8), (2, 1, 8), (2, 1, 8), scale=0.5), "adaln_backward"),
+        "gated_residual": (lambda r, x, g: kernel.gated_residual(r, x, g), leaves((2, 3, 8), (2, 3, 8), (2, 1, 8)),
+                           "gated_residual_backward"),
+        "gated_residual_adaln": (lambda *t: kernel.gated_residual_adaln(*t, 1e-6, norm="rms"),
+                                 leaves((2, 3, 8), (2, 3, 8), (2, 1, 8), (2, 1, 8), (2, 1, 8), scale=0.5),
+                                 "gated_residual_adaln_backward"),
+        "rope_rotate_half": (lambda q, k: kernel.rope_rotate_half(q, k, cos, sin), leaves((2, 2, 5, 8), (2, 1, 5, 8)),
+                             "rope_backward"),
+        "rope_interleaved": (lambda q, k: kernel.rope_interleaved(q, k, icos, isin), leaves((2, 5, 8), (2, 5, 8)),
+                             "rope_backward"),
+        "qk_norm_rope": (lambda *t: kernel.qk_norm_rope(*t, icos, isin, 1e-5), leaves((2, 5, 8), (2, 5, 8), (8,), (8,)),
+                         "(rope|rms_norm)_backward"),
+        "gelu": (lambda x: kernel.gelu(x, "none"), leaves((3, 8)), "gelu_backward"),
+        "gelu_mul": (lambda g, u: kernel.gelu_mul(g, u, "tanh"), leaves((3, 8), (3, 8)), "gelu_mul_backward"),
+        "geglu": (lambda x: kernel.geglu(x, "tanh"), leaves((3, 8)), "geglu_backward"),
+    }
+
+
+DIFFERENTIATED = list(_differentiated(None))
+
+
+@pytest.mark.parametrize("name", DIFFERENTIATED)
+def test_double_backward_raises_naming_the_op(kernel, name):
+    """create_graph=True gives the first-order grads; differentiating those raises (the
+    backward kernels have no derivative), as torch's once_differentiable does, instead of
+    returning wrong second derivatives."""
+    fn, inputs, backward_op = _differentiated(kernel)[name]
+    outputs = fn(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    cotangents = [torch.randn_like(o) for o in outputs]
+    plain = torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True)
+    graphed = torch.autograd.grad(outputs, inputs, cotangents, create_graph=True)
+    for p, g in zip(plain, graphed):
+        torch.testing.assert_close(g, p, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=rf"{backward_op}: double backward is not supported"):
+        torch.autograd.gradgradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("name", DIFFERENTIATED)
+def test_forward_mode_ad_raises_naming_the_op(kernel, name):
+    """No op has a forward-mode formula: gradcheck's forward-AD check meets a clear error
+    instead of zero tangents."""
+    fn, inputs, _ = _differentiated(kernel)[name]
+    op = "rope" if name.startswith("rope_") else name
+    with pytest.raises(NotImplementedError, match=rf"{op}: forward-mode AD"):
+        torch.autograd.gradcheck(fn, inputs, check_forward_ad=True, check_backward_ad=False,
+                                 check_undefined_grad=False)

@@ -1,9 +1,19 @@
-// Autograd for the functional ops, as C++ kernels on the Autograd dispatch key. A call
-// that needs no grad (grad mode off, or no input that requires grad) goes straight on to
-// the CPU / CUDA kernel: torch::autograd::Function::apply would still build a node and
-// save the inputs. A call that needs grad records a node whose backward calls the
-// backward ops. torch.compile traces through these too.
+// Autograd for every op, as C++ kernels on the Autograd dispatch key (and, for the ops that
+// write into given tensors, on the ADInplaceOrView key):
+// - functional ops: a call that needs no grad (grad mode off, or no input that requires
+//   grad) goes straight on to the CPU / CUDA kernel: torch::autograd::Function::apply
+//   would still build a node and save the inputs. A call that needs grad records a node
+//   whose backward calls the backward ops;
+// - out= and in-place ops: refused where autograd would need a record, and each written
+//   tensor's version goes up, so a backward that saved it refuses to run;
+// - backward ops and the forwards with row statistics: no derivative; their outputs raise
+//   when differentiated (double backward), as torch's once_differentiable does.
+// Forward-mode AD (dual tensors, torch.func.jvp) is refused by every op.
+// torch.compile traces through these too.
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include "registration.h"
@@ -64,7 +74,60 @@ LTX_OP(gelu_mul, Tensor(const Tensor&, const Tensor&, c10::string_view))
 LTX_OP(gelu_mul_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&, c10::string_view))
 LTX_OP(geglu, Tensor(const Tensor&, c10::string_view))
 LTX_OP(geglu_backward, Tensor(const Tensor&, const Tensor&, c10::string_view))
+// The ops that write into given tensors (Tensor&: the schema's Tensor!).
+LTX_OP(rms_norm_out, void(Tensor&, const Tensor&, const optional<Tensor>&, double, double, bool))
+LTX_OP(fused_add_rms_norm_out,
+       void(Tensor&, Tensor&, const Tensor&, const Tensor&, const optional<Tensor>&, double, double, bool))
+LTX_OP(adaln_out, void(Tensor&, const Tensor&, const Tensor&, const Tensor&, double, c10::string_view))
+LTX_OP(gated_residual_out, void(Tensor&, const Tensor&, const Tensor&, const Tensor&))
+LTX_OP(gated_residual_adaln_out, void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const Tensor&, double, c10::string_view))
+LTX_OP(gelu_out, void(Tensor&, const Tensor&, c10::string_view))
+LTX_OP(gelu_mul_out, void(Tensor&, const Tensor&, const Tensor&, c10::string_view))
+LTX_OP(geglu_out, void(Tensor&, const Tensor&, c10::string_view))
+LTX_OP(rope_out, void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, int64_t))
+LTX_OP(rope_, void(Tensor&, Tensor&, const Tensor&, const Tensor&, bool, int64_t))
+LTX_OP(qk_norm_rope_out, void(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const Tensor&, const Tensor&, double))
 #undef LTX_OP
+
+template <class Handle>
+struct signature_of;
+template <class Sig>
+struct signature_of<c10::TypedOperatorHandle<Sig>> {
+  using type = Sig;
+};
+// The C++ signature of the op whose handle `Handle()` returns.
+template <auto Handle>
+using signature_t = typename signature_of<std::decay_t<decltype(Handle())>>::type;
+
+// The op's name without the build's namespace, as the kernels' messages name it.
+std::string op_name(const c10::OperatorHandle& op) {
+  const std::string& full = op.schema().name();
+  return full.substr(full.find("::") + 2);
+}
+
+bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const optional<Tensor>& t) { return t.has_value() && requires_grad(*t); }
+template <class NonTensor>
+bool requires_grad(const NonTensor&) {
+  return false;
+}
+
+bool has_forward_grad(const Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+bool has_forward_grad(const optional<Tensor>& t) { return t.has_value() && has_forward_grad(*t); }
+template <class NonTensor>
+bool has_forward_grad(const NonTensor&) {
+  return false;
+}
+
+// No op has a forward-mode formula: a dual tensor would come back without its tangent.
+template <class... Args>
+void refuse_forward_ad(const c10::OperatorHandle& op, const Args&... args) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!(has_forward_grad(args) || ...), op_name(op),
+                              ": forward-mode AD (dual tensors, torch.func.jvp, jacfwd) is not supported; "
+                              "use reverse mode (.backward() or torch.autograd.grad)");
+}
 
 optional<Tensor> maybe(const Tensor& t) { return t.defined() ? optional<Tensor>(t) : std::nullopt; }
 
@@ -211,7 +274,7 @@ struct QkNormRope : torch::autograd::Function<QkNormRope> {
     const double eps = ctx->saved_data["eps"].toDouble();
     // Un-rotate, then the RMSNorm backward (its weight multiply comes before the rotation).
     auto [grad_q_normed, grad_k_normed] =
-        rope_backward_op().call(grads[0].contiguous(), grads[1].contiguous(), s[4], s[5], true, 2);
+        rope_backward_op().call(grads[0].contiguous(), grads[1].contiguous(), s[4], s[5], true, 1);
     auto [grad_q, grad_q_weight] =
         rms_norm_backward_op().call(grad_q_normed, s[0], s[2], eps, 0.0, false, std::nullopt);
     auto [grad_k, grad_k_weight] =
@@ -266,17 +329,11 @@ struct Geglu : torch::autograd::Function<Geglu> {
   }
 };
 
-bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
-bool requires_grad(const optional<Tensor>& t) { return t.has_value() && requires_grad(*t); }
-template <class NonTensor>
-bool requires_grad(const NonTensor&) {
-  return false;
-}
-
 // The op below the Autograd key when the call needs no grad, else Node::apply (outputs of
 // two-tensor ops come back as a tuple, as the schema has them).
 template <class Node, class Op, class... Args>
 auto autograd_call(const Op& op, const Args&... args) -> decltype(op.call(args...)) {
+  refuse_forward_ad(op, args...);
   if (!at::GradMode::is_enabled() || !(requires_grad(args) || ...)) {
     at::AutoDispatchBelowADInplaceOrView below;
     return op.call(args...);
@@ -336,6 +393,102 @@ Tensor geglu(const Tensor& input, c10::string_view approximate) {
   return autograd_call<Geglu>(geglu_op(), input, approximate);
 }
 
+// The ops that write into given tensors. Autograd cannot record such a write (the ops
+// have no backward), so while grad mode is on no tensor of the call may require grad, as
+// torch's out= functions refuse; under torch.no_grad() they run (an optimizer-style update
+// of a leaf included).
+template <auto Handle, class Sig = signature_t<Handle>>
+struct Writes;
+template <auto Handle, class... Args>
+struct Writes<Handle, void(Args...)> {
+  static void autograd(Args... args) {
+    const auto& op = Handle();
+    refuse_forward_ad(op, args...);
+    if (at::GradMode::is_enabled()) {
+      size_t index = 0;
+      (refuse_grad(op, index++, args), ...);
+    }
+    at::AutoDispatchBelowAutograd below;
+    op.call(args...);
+  }
+
+  // Each written tensor's version goes up before the write, as torch's in-place ops do it:
+  // a backward that saved the tensor then refuses to run instead of reading the new
+  // values. An inference tensor has no version: it is written only in inference mode.
+  static void inplace_or_view(Args... args) {
+    const auto& op = Handle();
+    size_t index = 0;
+    (bump_version<Args>(op, index++, args), ...);
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.call(args...);
+  }
+
+ private:
+  template <class T>
+  static void refuse_grad(const c10::OperatorHandle& op, size_t index, const T& arg) {
+    TORCH_CHECK(!requires_grad(arg), op_name(op), ": the out= / in-place form does not support autograd, but ",
+                op.schema().arguments()[index].name(),
+                " requires grad; call the functional form (no out= or inplace=), or call it under torch.no_grad()");
+  }
+
+  template <class T, class A>
+  static void bump_version(const c10::OperatorHandle& op, size_t index, const A& arg) {
+    if constexpr (std::is_same_v<T, Tensor&>) {
+      TORCH_CHECK(!arg.is_inference() || c10::InferenceMode::is_enabled(), op_name(op), ": ",
+                  op.schema().arguments()[index].name(),
+                  " is an inference tensor (made under torch.inference_mode()), which is written only in inference "
+                  "mode; pass a clone of it");
+      arg.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+};
+
+// The ops without a derivative: the backward ops and the forwards that also return row
+// statistics. Called on tensors that require grad (a backward with create_graph=True),
+// their outputs get a node that raises when it is reached: double backward is not
+// supported. Without grad they run as they are.
+template <auto Handle, class Sig = signature_t<Handle>>
+struct NoDerivative;
+template <auto Handle, class Ret, class... Args>
+struct NoDerivative<Handle, Ret(Args...)> {
+  static Ret autograd(Args... args) {
+    const auto& op = Handle();
+    refuse_forward_ad(op, args...);
+    const bool record = at::GradMode::is_enabled() && (requires_grad(args) || ...);
+    Ret out = [&] {
+      at::AutoDispatchBelowADInplaceOrView below;
+      return op.call(args...);
+    }();
+    if (record) {
+      variable_list inputs;
+      (add_tensor(inputs, args), ...);
+      auto node = c10::make_intrusive<torch::autograd::Error>(message(op_name(op)),
+                                                              torch::autograd::collect_next_edges(inputs));
+      if constexpr (std::is_same_v<Ret, Tensor>) {
+        torch::autograd::set_history(out, node);
+      } else {
+        std::apply([&](const auto&... t) { (torch::autograd::set_history(t, node), ...); }, out);
+      }
+    }
+    return out;
+  }
+
+ private:
+  static std::string message(const std::string& name) {
+    const std::string stats = "_with_stats";
+    if (name.size() > stats.size() && name.compare(name.size() - stats.size(), stats.size(), stats) == 0) {
+      const std::string functional = name.substr(0, name.size() - stats.size());
+      return name + " is not differentiable (autograd calls it inside " + functional + "); call " + functional;
+    }
+    return name + ": double backward is not supported (the gradients of the ltx ops are not differentiable)";
+  }
+
+  static void add_tensor(variable_list& list, const Tensor& t) { list.push_back(t); }
+  static void add_tensor(variable_list& list, const optional<Tensor>& t) { list.push_back(t.value_or(Tensor())); }
+  template <class NonTensor>
+  static void add_tensor(variable_list&, const NonTensor&) {}
+};
+
 }  // namespace
 
 void register_autograd_kernels(torch::Library& ops) {
@@ -350,4 +503,33 @@ void register_autograd_kernels(torch::Library& ops) {
   ops.impl("gelu", torch::dispatch(key, TORCH_FN(gelu)));
   ops.impl("gelu_mul", torch::dispatch(key, TORCH_FN(gelu_mul)));
   ops.impl("geglu", torch::dispatch(key, TORCH_FN(geglu)));
+
+#define LTX_WRITES(name)                                                              \
+  ops.impl(#name, torch::dispatch(key, TORCH_FN(Writes<&name##_op>::autograd)));     \
+  ops.impl(#name, torch::dispatch(c10::DispatchKey::ADInplaceOrView, TORCH_FN(Writes<&name##_op>::inplace_or_view)))
+  LTX_WRITES(rms_norm_out);
+  LTX_WRITES(fused_add_rms_norm_out);
+  LTX_WRITES(adaln_out);
+  LTX_WRITES(gated_residual_out);
+  LTX_WRITES(gated_residual_adaln_out);
+  LTX_WRITES(gelu_out);
+  LTX_WRITES(gelu_mul_out);
+  LTX_WRITES(geglu_out);
+  LTX_WRITES(rope_out);
+  LTX_WRITES(rope_);
+  LTX_WRITES(qk_norm_rope_out);
+#undef LTX_WRITES
+
+#define LTX_NO_DERIVATIVE(name) ops.impl(#name, torch::dispatch(key, TORCH_FN(NoDerivative<&name##_op>::autograd)))
+  LTX_NO_DERIVATIVE(adaln_with_stats);
+  LTX_NO_DERIVATIVE(gated_residual_adaln_with_stats);
+  LTX_NO_DERIVATIVE(rms_norm_backward);
+  LTX_NO_DERIVATIVE(adaln_backward);
+  LTX_NO_DERIVATIVE(gated_residual_backward);
+  LTX_NO_DERIVATIVE(gated_residual_adaln_backward);
+  LTX_NO_DERIVATIVE(rope_backward);
+  LTX_NO_DERIVATIVE(gelu_backward);
+  LTX_NO_DERIVATIVE(gelu_mul_backward);
+  LTX_NO_DERIVATIVE(geglu_backward);
+#undef LTX_NO_DERIVATIVE
 }

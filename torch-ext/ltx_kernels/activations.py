@@ -7,7 +7,8 @@ last dim and leading dims that collapse into one row stride. Math is fp32 with o
 rounding to the input dtype. ``approximate`` is ``"none"`` (erf) or ``"tanh"``, as in
 ``torch.nn.functional.gelu``.
 
-Autograd: the functional forms are differentiable (one elementwise backward kernel each).
+Autograd: the functional forms are differentiable (one elementwise backward kernel each);
+double backward and forward-mode AD raise, as do the ``out=`` forms on tensors that require grad.
 """
 
 from typing import Optional
@@ -15,7 +16,6 @@ from typing import Optional
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
-from ._autograd import check_no_grad
 
 
 def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -23,7 +23,6 @@ def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tens
     SD3 feed-forwards use (diffusers' ``gelu-approximate``)."""
     if out is None:
         return ops.gelu(x, approximate)
-    check_no_grad("gelu", x)
     ops.gelu_out(out, x, approximate)
     return out
 
@@ -35,7 +34,6 @@ def gelu_mul(
     ``gelu_tanh(gate_proj(x)) * up_proj(x)``)."""
     if out is None:
         return ops.gelu_mul(gate, up, approximate)
-    check_no_grad("gelu_mul", gate, up)
     ops.gelu_mul_out(out, gate, up, approximate)
     return out
 
@@ -45,7 +43,6 @@ def geglu(x: torch.Tensor, approximate: str = "none", *, out: Optional[torch.Ten
     ``value * gelu(gate)``, returning ``[..., H]``. The gate is the second half."""
     if out is None:
         return ops.geglu(x, approximate)
-    check_no_grad("geglu", x)
     ops.geglu_out(out, x, approximate)
     return out
 

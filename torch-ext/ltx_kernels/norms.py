@@ -12,7 +12,8 @@ or the ``out=`` tensors given (same sizes as the input; they may be the inputs).
 Autograd: the functional forms (not ``out=``) are differentiable in every input tensor;
 AdaLN's forward then also stores each row's mean and rstd (8 bytes a row) for its backward,
 while RMSNorm's backward recomputes them. Weight, scale, shift and gate grads are reduced
-in fp32 in a fixed order (deterministic). Double backward is not supported.
+in fp32 in a fixed order (deterministic). Double backward and forward-mode AD raise. The
+``out=`` forms raise while grad mode is on and any tensor of the call requires grad.
 """
 
 from typing import Optional, Tuple
@@ -20,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
-from ._autograd import check_no_grad
+from ._args import check_not_bool
 
 NORMS = ("rms", "layer")
 
@@ -49,9 +50,9 @@ def rms_norm(
             order returns for an fp32 weight).
         out: optional output of ``x``'s sizes; its dtype then sets the output dtype.
     """
+    check_not_bool("rms_norm", eps=eps, weight_offset=weight_offset)
     if out is None:
         return ops.rms_norm(x, weight, eps, weight_offset, cast_before_weight, out_dtype)
-    check_no_grad("rms_norm", x, weight)
     ops.rms_norm_out(out, x, weight, eps, weight_offset, cast_before_weight)
     return out
 
@@ -71,11 +72,11 @@ def fused_add_rms_norm(
     ``(rms_norm(h, weight, eps, ...), h)``. ``residual`` has ``x``'s sizes and dtype.
     ``out`` and ``residual_out`` come together; they may be ``x`` and ``residual``
     (in place)."""
+    check_not_bool("fused_add_rms_norm", eps=eps, weight_offset=weight_offset)
     if (out is None) != (residual_out is None):
         raise ValueError("fused_add_rms_norm: pass out and residual_out together, or neither")
     if out is None:
         return ops.fused_add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight)
-    check_no_grad("fused_add_rms_norm", x, residual, weight)
     ops.fused_add_rms_norm_out(out, residual_out, x, residual, weight, eps, weight_offset, cast_before_weight)
     return out, residual_out
 
@@ -100,9 +101,9 @@ def adaln(
             ``"rms"`` (LTX-Video blocks).
     """
     _check_norm(norm)
+    check_not_bool("adaln", eps=eps)
     if out is None:
         return ops.adaln(x, scale, shift, eps, norm)
-    check_no_grad("adaln", x, scale, shift)
     ops.adaln_out(out, x, scale, shift, eps, norm)
     return out
 
@@ -114,7 +115,6 @@ def gated_residual(
     does in :func:`adaln`."""
     if out is None:
         return ops.gated_residual(residual, x, gate)
-    check_no_grad("gated_residual", residual, x, gate)
     ops.gated_residual_out(out, residual, x, gate)
     return out
 
@@ -134,11 +134,11 @@ def gated_residual_adaln(
     """One pass for the block boundary of a DiT: ``h = residual + x * gate`` and
     ``adaln(h, scale, shift, eps, norm=norm)``. Returns ``(h, modulated)``."""
     _check_norm(norm)
+    check_not_bool("gated_residual_adaln", eps=eps)
     if (out is None) != (residual_out is None):
         raise ValueError("gated_residual_adaln: pass out and residual_out together, or neither")
     if out is None:
         return ops.gated_residual_adaln(residual, x, gate, scale, shift, eps, norm)
-    check_no_grad("gated_residual_adaln", residual, x, gate, scale, shift)
     ops.gated_residual_adaln_out(residual_out, out, residual, x, gate, scale, shift, eps, norm)
     return residual_out, out
 

@@ -2,7 +2,8 @@
 torch.compile beside them.
 
 q and k: ``[B, S, C]`` (LTX-Video), ``[B, H, S, D]`` (transformers, FLUX) or
-``[B, S, H, D]`` (pass ``sequence_dim=1``), any strides with a contiguous last dim
+``[B, S, H, D]`` (pass ``sequence_dim=1``; the default is 2 for 4-D q and 1, the only
+value, for 3-D q), any strides with a contiguous last dim
 (transposed views work), k may have fewer heads (GQA); fp32, fp16 or bf16. cos and sin:
 ``[S, R]`` or ``[B, S, R]``, in q's dtype or float32; only the first R channels rotate
 (partial rotary), the rest pass through. fp32 math, one rounding. On the CPU also
@@ -10,7 +11,8 @@ float64 (q, k and the tables), in double.
 
 Autograd: the functional forms are differentiable in q and k (the backward is the same
 kernel rotating the other way; qk_norm_rope also in its weights). The tables are
-constants: a cos or sin that requires grad is refused at backward time.
+constants: a cos or sin that requires grad is refused at backward time. Double backward
+and forward-mode AD raise, as do ``inplace=True`` and ``out=`` on tensors that require grad.
 """
 
 from typing import Optional, Tuple
@@ -18,11 +20,11 @@ from typing import Optional, Tuple
 import torch
 
 from ._ops import add_op_namespace_prefix, ops
-from ._autograd import check_no_grad
+from ._args import check_not_bool
 
 
 def rope_rotate_half(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: Optional[int] = None,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin`` where
@@ -33,7 +35,7 @@ def rope_rotate_half(
 
 
 def rope_interleaved(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: Optional[int] = None,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """diffusers' ``apply_rotary_emb`` with real cos/sin (LTX-Video on ``[B, S, C]`` with
@@ -60,10 +62,10 @@ def qk_norm_rope(
     (slices of a fused qkv projection work); C even, at most 16384 (bf16/fp16) or 8192
     (fp32) on CUDA (4096 for views not 16-byte aligned). ``out=(q_out, k_out)`` may be
     ``(q, k)``."""
+    check_not_bool("qk_norm_rope", eps=eps)
     if out is None:
         return ops.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
     q_out, k_out = _output_pair(out, "qk_norm_rope")
-    check_no_grad("qk_norm_rope", q, k, q_weight, k_weight, cos, sin)
     ops.qk_norm_rope_out(q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps)
     return q_out, k_out
 
@@ -80,13 +82,14 @@ def _output_pair(out, op: str) -> Tuple[torch.Tensor, torch.Tensor]:
 def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace, out):
     if inplace and out is not None:
         raise ValueError("rope: pass inplace=True or out=, not both")
+    if sequence_dim is None:  # [B, S, C] has its sequence in dim 1, [B, H, S, D] in dim 2
+        sequence_dim = 1 if isinstance(q, torch.Tensor) and q.dim() == 3 else 2
+    check_not_bool("rope", sequence_dim=sequence_dim)
     if inplace:
-        check_no_grad("rope", q, k, cos, sin)
         ops.rope_(q, k, cos, sin, interleaved, sequence_dim)
         return q, k
     if out is not None:
         q_out, k_out = _output_pair(out, "rope")
-        check_no_grad("rope", q, k, cos, sin)
         ops.rope_out(q_out, k_out, q, k, cos, sin, interleaved, sequence_dim)
         return q_out, k_out
     return ops.rope(q, k, cos, sin, interleaved, sequence_dim)
