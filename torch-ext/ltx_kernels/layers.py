@@ -6,7 +6,10 @@ fp32 rounding where the host rounds intermediates in the model dtype, as each do
 says). Whatever a layer does not support (a dtype, an affine norm, a custom attention
 processor, ...) goes to the host's own forward, ``_host(self).forward``: kernelize binds the
 layer's forward to the instance and leaves the class's forward as it was (and
-`integration.kernelize_diffusers` then moves it into a subclass, see `_host`).
+`integration.kernelize_diffusers` then moves it into a subclass, see `_host`). Each layer
+tests what its op takes before calling it; the one-op layers also hand a call that an op
+still refuses (an argument check, or autograd that the op does not support, such as
+forward-mode AD) to the host in eager mode, see `_or_host`.
 
 The transformers layers match the hooks transformers declares (``"RMSNorm"``,
 ``"RMSNormZeroCentered"``, ``"GeluTanh"``, ``"rotary_pos_emb"``), and under torch.compile
@@ -14,6 +17,7 @@ leave their work to inductor (see `_under_torch_compile`); the diffusers layers 
 classes tagged with ``kernels.replace_kernel_forward_from_hub`` (see the README).
 """
 
+import functools
 import sys
 from typing import Optional, Tuple
 
@@ -54,6 +58,51 @@ def _rows(x: torch.Tensor) -> bool:
     return all(stride == inner_size * inner_stride for (_, stride), (inner_size, inner_stride) in zip(outer, outer[1:]))
 
 
+def _same_device(*tensors: torch.Tensor) -> bool:
+    device = tensors[0].device
+    return all(t.device == device for t in tensors)
+
+
+def _vector_of(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """``weight`` is a ``[D]`` row weight for ``x``'s last dim, on x's device."""
+    return weight.dim() == 1 and weight.size(0) == x.size(-1) and weight.device == x.device
+
+
+# The names the ops' argument checks start their messages with ("rms_norm: ..."): the
+# functional API's and the registered ops'.
+_OP_NAMES = frozenset({
+    "rms_norm", "fused_add_rms_norm", "adaln", "gated_residual", "gated_residual_adaln", "gelu", "gelu_mul",
+    "geglu", "rope", "rope_rotate_half", "rope_interleaved", "qk_norm_rope",
+})
+
+
+def _refused_by_an_op(error: Exception) -> bool:
+    name = str(error).split(":", 1)[0].strip()
+    return name in _OP_NAMES or name.removesuffix("_out").removesuffix("_with_stats") in _OP_NAMES
+
+
+def _or_host(forward):
+    """A one-op layer's forward that, in eager mode, gives the call to the host's forward
+    where an op refuses it (the layer's own tests missed a case the host computes; or
+    autograd the ops do not support, such as forward-mode AD): the host then computes it
+    as stock does, or raises its own error. Under torch.compile the refusal stands (a fake
+    implementation raises at trace time). Only for layers whose kernel path writes nothing
+    before its op, so that the host sees the inputs as they were."""
+
+    @functools.wraps(forward)
+    def guarded(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return forward(self, *args, **kwargs)
+        try:
+            return forward(self, *args, **kwargs)
+        except (RuntimeError, ValueError, TypeError) as error:  # NotImplementedError is a RuntimeError
+            if not _refused_by_an_op(error):
+                raise
+        return _host(self).forward(_host_self(self), *args, **kwargs)
+
+    return guarded
+
+
 def _host(module) -> type:
     """The host module's class (the one lookup: `integration` uses it too).
     `integration.kernelize_diffusers` moves each layer's forward from the instance, where
@@ -86,13 +135,17 @@ class RMSNorm(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not _rows(hidden_states) or _under_torch_compile():
-            return _host(self).forward(self, hidden_states)
         weight = self.weight
-        if hidden_states.dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16):
-            weight = weight.float()  # fp32 activations, low-precision weight: the host computes in fp32
+        if (not _rows(hidden_states) or not isinstance(weight, torch.Tensor) or not _vector_of(weight, hidden_states)
+                or weight.dtype not in KERNEL_DTYPES or _under_torch_compile()):
+            return _host(self).forward(self, hidden_states)
         out_dtype = torch.promote_types(weight.dtype, hidden_states.dtype)
+        if weight.dtype != hidden_states.dtype:
+            # fp32 activations with a 16-bit weight, or the other 16-bit dtype: the host's
+            # product promotes to fp32, which the weight converted exactly computes alike.
+            weight = weight.float()
         return rms_norm(hidden_states, weight, self.variance_epsilon, cast_before_weight=True,
                         out_dtype=out_dtype)
 
@@ -109,10 +162,12 @@ class RMSNormZeroCentered(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _rows(x) or _under_torch_compile():
-            return _host(self).forward(self, x)
         weight = self.weight
+        if (not _rows(x) or not isinstance(weight, torch.Tensor) or not _vector_of(weight, x)
+                or weight.dtype not in KERNEL_DTYPES or _under_torch_compile()):
+            return _host(self).forward(self, x)
         if weight.dtype not in (x.dtype, torch.float32):
             weight = weight.float()  # the host upcasts the weight anyway: exact
         return rms_norm(x, weight, self.eps, weight_offset=1.0)
@@ -124,6 +179,7 @@ class GeluTanh(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _rows(input) or _under_torch_compile():
             return _host(self).forward(self, input)
@@ -146,6 +202,7 @@ class ApplyRotaryPosEmb(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         if not _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) or _under_torch_compile():
             return _host(self).forward(_host_self(self), q, k, cos, sin, unsqueeze_dim)
@@ -167,15 +224,21 @@ def _host_self(wrapper):
 
 
 def _rotate_half_applies(q, k, cos, sin, unsqueeze_dim) -> bool:
-    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos.dim() not in (2, 3):
+    """The host's broadcast is the op's: cos/sin ``[B or 1, S, D]`` unsqueezed at the heads
+    line up with q and k's (batch, sequence). A 2-D table does not: unsqueezed, the host
+    broadcasts it over other dims (the heads, at ``unsqueeze_dim=1``), or fails."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
+        return False
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
         return False
     sequence_dim = 3 - unsqueeze_dim
-    return (_on_kernel(q, k, cos, sin)
+    return (_on_kernel(q, k, cos, sin) and _same_device(q, k, cos, sin)
             and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and q.size(0) == k.size(0)
             and cos.shape == sin.shape and cos.stride() == sin.stride()
             and cos.size(-1) == q.size(-1) == k.size(-1) and q.size(-1) % 2 == 0
             and cos.size(-2) == q.size(sequence_dim) == k.size(sequence_dim)
-            and (cos.dim() == 2 or cos.size(0) in (1, q.size(0)))
+            and cos.size(0) in (1, q.size(0))
             and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1)
 
 
@@ -197,9 +260,11 @@ class DiffusersRMSNorm(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, hidden_states):
         weight = self.weight
-        if self.bias is not None or not _rows(hidden_states):
+        if (self.bias is not None or not _rows(hidden_states)
+                or (weight is not None and not _vector_of(weight, hidden_states))):
             return _host(self).forward(self, hidden_states)
         if weight is None:
             return rms_norm(hidden_states, None, self.eps)
@@ -347,8 +412,11 @@ def _modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torc
     shift[:, None]`` with scale and shift ``[B, D]``, fused when `adaln` computes it, the
     host's expression otherwise."""
     kind = _adaptive_norm_kind(norm)
-    if (kind is None or x.dim() != 3 or not _rows(x)
-            or scale.dtype != x.dtype or shift.dtype != x.dtype or scale.dim() != 2):
+    if (kind is None or x.dim() != 3 or not _rows(x) or scale.dim() != 2 or shift.dim() != 2
+            or scale.dtype != x.dtype or shift.dtype != x.dtype or not _same_device(x, scale, shift)
+            or scale.size(-1) != x.size(-1) or shift.size(-1) != x.size(-1)
+            # [B', D] broadcast over the tokens: B' must be x's batch or 1, as adaln takes
+            or scale.size(0) not in (1, x.size(0)) or shift.size(0) not in (1, x.size(0))):
         return norm(x) * (1 + scale[:, None]) + shift[:, None]
     return adaln(x, scale[:, None], shift[:, None], kind[1], norm=kind[0])
 
