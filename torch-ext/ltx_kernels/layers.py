@@ -285,6 +285,7 @@ class GEGLU(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, hidden_states, *args, **kwargs):
         if args or kwargs.get("scale") is not None:
             return _host(self).forward(self, hidden_states, *args, **kwargs)  # the host warns about `scale`
@@ -315,6 +316,7 @@ class DiffusersGELU(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, hidden_states):
         proj = self.proj
         if (self.approximate == "tanh" and hidden_states.is_cuda and _plain_linear(proj) and proj.bias is not None
@@ -347,6 +349,7 @@ class AdaLayerNormZero(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
         if self.emb is not None:
             emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
@@ -367,6 +370,7 @@ class AdaLayerNormZeroSingle(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, x, emb=None):
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
@@ -386,6 +390,7 @@ class AdaLayerNormContinuous(nn.Module):
     has_backward = True
     can_torch_compile = True
 
+    @_or_host
     def forward(self, x, conditioning_embedding):
         emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
         scale, shift = torch.chunk(emb, 2, dim=1)
