@@ -17,8 +17,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._ops import add_op_namespace_prefix, ops
+from . import _checks as checks
+from ._ops import ops
 from ._autograd import check_no_grad
+from ._checks import register_fake
 
 
 def rope_rotate_half(
@@ -92,22 +94,42 @@ def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace, out):
     return ops.rope(q, k, cos, sin, interleaved, sequence_dim)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("rope"))
-def _(q, k, cos, sin, interleaved, sequence_dim):
-    return torch.empty_like(q), torch.empty_like(k)
+# Fake implementations, for torch.compile, FakeTensorMode and meta tensors: the C++ checks
+# (._checks, same messages), then the outputs' metadata.
 
 
-@torch.library.register_fake(add_op_namespace_prefix("qk_norm_rope"))
-def _(q, k, q_weight, k_weight, cos, sin, eps):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format))
+@register_fake("rope")
+def _(device, q, k, cos, sin, interleaved, sequence_dim):
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)  # q's and k's layouts
+    checks.rope_apply(device, q_out, k_out, q, k, cos, sin, sequence_dim)
+    return q_out, k_out
 
 
-for _name in ("rope_out", "rope_", "qk_norm_rope_out"):
-    torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
-del _name
+@register_fake("rope_out")
+def _(device, q_out, k_out, q, k, cos, sin, interleaved, sequence_dim):
+    checks.rope_apply(device, q_out, k_out, q, k, cos, sin, sequence_dim)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("rope_backward"))
-def _(grad_q, grad_k, cos, sin, interleaved, sequence_dim):
-    return torch.empty_like(grad_q), torch.empty_like(grad_k)
+@register_fake("rope_")
+def _(device, q, k, cos, sin, interleaved, sequence_dim):
+    checks.rope_apply(device, q, k, q, k, cos, sin, sequence_dim)
+
+
+@register_fake("rope_backward")
+def _(device, grad_q, grad_k, cos, sin, interleaved, sequence_dim):
+    grad_q_in, grad_k_in = torch.empty_like(grad_q), torch.empty_like(grad_k)
+    checks.rope_apply(device, grad_q_in, grad_k_in, grad_q, grad_k, cos, sin, sequence_dim, inverse=True)
+    return grad_q_in, grad_k_in
+
+
+@register_fake("qk_norm_rope")
+def _(device, q, k, q_weight, k_weight, cos, sin, eps):
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    checks.qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps)
+    return q_out, k_out
+
+
+@register_fake("qk_norm_rope_out")
+def _(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps):
+    checks.qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps)
