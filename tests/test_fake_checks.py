@@ -7,8 +7,9 @@ op's valid call (tests/test_compile.py) varied one argument at a time: each call
 for real, then on fake tensors (static and symbolic sizes) and on meta tensors; the
 outcomes must agree (the same error type and message, device names aside, or outputs of
 the same sizes, strides and dtypes). Plus: a meta tensor beside real ones is refused
-for every tensor argument of every op, and the fakes apply CUDA's rules to CUDA tensors
-(the table's expectations on fake CUDA tensors, without a GPU)."""
+for every tensor argument of every op, the fakes apply CUDA's rules to CUDA tensors
+(the table's expectations on fake CUDA tensors, without a GPU), and nested tensors get
+a message naming the function and what to do."""
 
 import functools
 import re
@@ -302,3 +303,25 @@ def test_compile_with_dynamic_shapes_matches_eager_without_recompiles(kernel, de
         with torch._dynamo.config.patch(error_on_recompile=n > 0):
             got = compiled(*inputs)
         torch.testing.assert_close(got, block(*inputs), rtol=1e-4, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------- nested tensors
+
+
+def nested_like(t: torch.Tensor, layout) -> torch.Tensor:
+    """Two sequences of t's rows (the second one shorter): a ragged batch."""
+    return torch.nested.nested_tensor([t[0], t[1, :1]], layout=layout)
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+@pytest.mark.parametrize("api", [a for a in table.APIS if not a.name.startswith("layers.")], ids=lambda a: a.name)
+def test_nested_tensor_gets_a_message_naming_the_function(kernel, device, api, layout):
+    function = api.name.split("[")[0]
+    for arg in (api.primary, *(a for a in api.args if a.output)):
+        tensors = api.make(table.Dims(), torch.float32, device)
+        tensors[arg.key] = nested_like(tensors[arg.key], layout)
+        with pytest.raises(RuntimeError) as info:
+            api.call(kernel, tensors)
+        message = str(info.value)
+        assert message.startswith(f"{function}: nested tensors"), message
+        assert "nt.values()" in message or "nt.to_padded_tensor" in message, message

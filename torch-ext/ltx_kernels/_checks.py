@@ -9,6 +9,7 @@ every refusal of the bad-input table with the compiled op's message: a check cha
 C++ must change here too.
 """
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -605,3 +606,39 @@ def _qk_norm_rope_cuda_launch(q_out, k_out, q, k, q_weight, k_weight, cos, sin, 
           lambda: f"{op}: C = {channels} is too wide for the kernel's registers with these alignments")
     rows = batch * seq
     check(2 * rows <= INT32_MAX, lambda: f"{op}: at most 2^30 - 1 tokens (B * S) on CUDA, got {rows}")
+
+
+# ---------------------------------------------------------------------------- nested tensors
+
+
+def refuses_nested(op: str, advice: str):
+    """Wraps a functional form: a nested tensor among its arguments gets an error naming
+    the op and what to do, instead of whatever the nested tensor's dispatch says about the
+    op's internal name. Checked only once the call has failed: free when it has not."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                if not any(_is_nested(a) for a in (*args, *kwargs.values())):
+                    raise
+            raise RuntimeError(f"{op}: nested tensors (torch.nested) are not supported; {advice}")
+
+        return call
+
+    return wrap
+
+
+def _is_nested(a) -> bool:
+    if isinstance(a, (tuple, list)):
+        return any(_is_nested(t) for t in a)
+    return isinstance(a, torch.Tensor) and a.is_nested
+
+
+# What to do with a nested tensor: row-wise ops run on the packed rows; ops that pair rows
+# with per-sequence or per-position operands need a dense batch.
+ROWS_ADVICE = ("for a jagged [B, j, D] tensor nt, call it on nt.values() (the packed [sum(j), D] rows) and "
+               "rebuild with torch.nested.nested_tensor_from_jagged(out, nt.offsets())")
+DENSE_ADVICE = "pass a dense batch (nt.to_padded_tensor(0.0)) or call it per sequence (nt.unbind())"

@@ -17,9 +17,10 @@ import torch
 from . import _checks as checks
 from ._ops import ops
 from ._autograd import check_no_grad
-from ._checks import register_fake
+from ._checks import ROWS_ADVICE, refuses_nested, register_fake
 
 
+@refuses_nested("gelu", ROWS_ADVICE)
 def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.gelu(x, approximate=approximate)``; the tanh form is what LTX-Video, FLUX and
     SD3 feed-forwards use (diffusers' ``gelu-approximate``)."""
@@ -30,6 +31,7 @@ def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tens
     return out
 
 
+@refuses_nested("gelu_mul", ROWS_ADVICE)
 def gelu_mul(
     gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -42,6 +44,7 @@ def gelu_mul(
     return out
 
 
+@refuses_nested("geglu", ROWS_ADVICE)
 def geglu(x: torch.Tensor, approximate: str = "none", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """diffusers' ``GEGLU`` on the projection's output ``x = [value | gate]`` (``[..., 2H]``):
     ``value * gelu(gate)``, returning ``[..., H]``. The gate is the second half."""

@@ -22,11 +22,12 @@ import torch
 from . import _checks as checks
 from ._ops import ops
 from ._autograd import check_no_grad
-from ._checks import register_fake
+from ._checks import DENSE_ADVICE, ROWS_ADVICE, refuses_nested, register_fake
 
 NORMS = ("rms", "layer")
 
 
+@refuses_nested("rms_norm", ROWS_ADVICE)
 def rms_norm(
     x: torch.Tensor,
     weight: Optional[torch.Tensor] = None,
@@ -58,6 +59,7 @@ def rms_norm(
     return out
 
 
+@refuses_nested("fused_add_rms_norm", ROWS_ADVICE)
 def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -82,6 +84,7 @@ def fused_add_rms_norm(
     return out, residual_out
 
 
+@refuses_nested("adaln", DENSE_ADVICE)
 def adaln(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -109,6 +112,7 @@ def adaln(
     return out
 
 
+@refuses_nested("gated_residual", DENSE_ADVICE)
 def gated_residual(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -121,6 +125,7 @@ def gated_residual(
     return out
 
 
+@refuses_nested("gated_residual_adaln", DENSE_ADVICE)
 def gated_residual_adaln(
     residual: torch.Tensor,
     x: torch.Tensor,

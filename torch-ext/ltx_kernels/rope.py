@@ -20,9 +20,10 @@ import torch
 from . import _checks as checks
 from ._ops import ops
 from ._autograd import check_no_grad
-from ._checks import register_fake
+from ._checks import DENSE_ADVICE, refuses_nested, register_fake
 
 
+@refuses_nested("rope_rotate_half", DENSE_ADVICE)
 def rope_rotate_half(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
@@ -34,6 +35,7 @@ def rope_rotate_half(
     return _rope(q, k, cos, sin, False, sequence_dim, inplace, out)
 
 
+@refuses_nested("rope_interleaved", DENSE_ADVICE)
 def rope_interleaved(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int = 2,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
@@ -44,6 +46,7 @@ def rope_interleaved(
     return _rope(q, k, cos, sin, True, sequence_dim, inplace, out)
 
 
+@refuses_nested("qk_norm_rope", DENSE_ADVICE)
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
