@@ -69,8 +69,42 @@ def check(cond, message: Callable[[], str]) -> None:
     torch._check(cond, message)
 
 
-def same_sizes(a: Sequence, b: Sequence) -> bool:
-    return len(a) == len(b) and all(x == y for x, y in zip(a, b))
+# Conditions on sizes are built without bool(), which on a SymInt guards and on a
+# data-dependent size (after a boolean mask, say) fails the trace: torch._check then
+# guards, or defers the check to run time.
+
+
+def all_of(*conds):
+    if all(isinstance(c, bool) for c in conds):
+        return all(conds)
+    from torch.fx.experimental.symbolic_shapes import sym_and
+
+    return sym_and(*conds)
+
+
+def any_of(*conds):
+    if all(isinstance(c, bool) for c in conds):
+        return any(conds)
+    from torch.fx.experimental.symbolic_shapes import sym_or
+
+    return sym_or(*conds)
+
+
+def sym_not(cond):
+    return (not cond) if isinstance(cond, bool) else torch.sym_not(cond)
+
+
+def surely(cond) -> bool:
+    """cond as a bool, False where the sizes cannot tell (a data-dependent size)."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(cond)
+
+
+def same_sizes(a: Sequence, b: Sequence):
+    return len(a) == len(b) and all_of(True, *(x == y for x, y in zip(a, b)))
 
 
 # ---------------------------------------------------------------------------- devices
@@ -141,14 +175,14 @@ def row_view(t: torch.Tensor, op: str, arg: str):
     check(t.dim() >= 1, lambda: f"{op}: {arg} must have at least 1 dim, got a 0-dim tensor")
     shape, strides = t.shape, t.stride()
     cols = shape[-1]
-    check(strides[-1] == 1 or cols <= 1, lambda: f"{op}: {arg} must be contiguous in its last dim, got stride "
-          f"{strides[-1]} (call .contiguous() first)")
-    if t.numel() == 0:
+    check(any_of(strides[-1] == 1, cols <= 1), lambda: f"{op}: {arg} must be contiguous in its last dim, got "
+          f"stride {strides[-1]} (call .contiguous() first)")
+    if surely(t.numel() == 0):
         return 0, cols, cols
     rows, row_stride, expected = 1, cols, None
     for d in range(t.dim() - 2, -1, -1):  # innermost first; size-1 dims carry no stride
         rows = rows * shape[d]
-        if shape[d] == 1:
+        if surely(shape[d] == 1):
             continue
         if expected is None:
             row_stride = strides[d]
@@ -157,7 +191,7 @@ def row_view(t: torch.Tensor, op: str, arg: str):
         check(strides[d] == expected, lambda: f"{op}: {arg} with sizes {sizes(shape)} and strides {sizes(strides)} "
               "has leading dims that do not collapse into rows of one stride (call .contiguous() first)")
         expected = expected * shape[d]
-    check(row_stride >= cols or rows <= 1,
+    check(any_of(row_stride >= cols, rows <= 1),
           lambda: f"{op}: {arg} has overlapping rows (row stride {row_stride} < last dim {cols})")
     return rows, cols, row_stride
 
@@ -179,26 +213,27 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     """at::has_internal_overlap is Yes: a broadcast dim (stride 0) writes one element twice."""
     if _dense(t):
         return False
-    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
+    return any(surely(stride == 0) and not surely(size <= 1) for size, stride in zip(t.shape, t.stride()))
 
 
 FULL, PARTIAL, NONE, TOO_HARD = "full", "partial", "none", "too hard"
 
 
 def overlap_status(a: torch.Tensor, b: torch.Tensor) -> str:
-    """at::get_overlap_status: byte ranges of dense tensors on one storage."""
+    """at::get_overlap_status: byte ranges of dense tensors on one storage (overlaps that
+    data-dependent sizes leave open pass, as those the C++ finds too hard)."""
     if a is b:
         return FULL
-    if a.numel() == 0 or b.numel() == 0:
+    if surely(a.numel() == 0) or surely(b.numel() == 0):
         return NONE
     if not _dense(a) or not _dense(b):
         return TOO_HARD
     if _same_storage(a, b):
         a_begin, b_begin = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
         a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()
-        if a_begin == b_begin and a_end == b_end:
-            return FULL if tuple(a.stride()) == tuple(b.stride()) else PARTIAL
-        if a_begin < b_end and b_begin < a_end:
+        if surely(all_of(a_begin == b_begin, a_end == b_end)):
+            return FULL if surely(same_sizes(a.stride(), b.stride())) else PARTIAL
+        if surely(all_of(a_begin < b_end, b_begin < a_end)):
             return PARTIAL
     return NONE
 
@@ -269,7 +304,7 @@ class NormChecker:
                  if fp32_allowed and self.dtype != torch.float64 else ""))
         check(w.dim() == 1 and w.shape[0] == cols,
               lambda: f"{op}: weight must have shape [{cols}] (the input's last dim), got {sizes(w.shape)}")
-        check(w.stride(0) == 1 or cols == 1, lambda: f"{op}: weight must be contiguous, got stride {w.stride(0)}")
+        check(any_of(w.stride(0) == 1, cols == 1), lambda: f"{op}: weight must be contiguous, got stride {w.stride(0)}")
         self.weight_fp32 = fp32
 
     def batch_tokens(self) -> None:
@@ -290,10 +325,10 @@ class NormChecker:
               lambda: f"{op}: {arg} must be [D], [B, D] or [B, S, D] with D = {cols}, got sizes {sizes(m.shape)}")
         mb = m.shape[0] if d >= 2 else 1
         ms = m.shape[1] if d == 3 else 1
-        check((mb == batch or mb == 1) and (ms == tokens or ms == 1),
+        check(all_of(any_of(mb == batch, mb == 1), any_of(ms == tokens, ms == 1)),
               lambda: f"{op}: {arg} with sizes {sizes(m.shape)} does not broadcast to input "
               f"[B={batch}, S={tokens}, D={cols}]")
-        check(m.stride(-1) == 1 or cols == 1,
+        check(any_of(m.stride(-1) == 1, cols == 1),
               lambda: f"{op}: {arg} must be contiguous in its last dim, got stride {m.stride(-1)}")
 
     def adaln(self, out, scale, shift, eps, norm: str, inputs: Sequence, stats=None) -> None:
@@ -484,7 +519,7 @@ def _as_bhsd(t, sequence_dim, op: str, arg: str):
     """t as [B, H, S, D] sizes."""
     check(t.dim() in (3, 4),
           lambda: f"{op}: {arg} must be [B, S, C], [B, H, S, D] or [B, S, H, D], got sizes {sizes(t.shape)}")
-    check(t.stride(-1) == 1 or t.shape[-1] == 1,
+    check(any_of(t.stride(-1) == 1, t.shape[-1] == 1),
           lambda: f"{op}: {arg} must be contiguous in its last dim, got strides {sizes(t.stride())}")
     if t.dim() == 3:
         return t.shape[0], 1, t.shape[1], t.shape[2]
@@ -502,12 +537,12 @@ def _check_tables(cos, sin, x, batch, seq, op: str):
               lambda: f"{op}: {arg} has dtype {scalar_type_name(t.dtype)}; expected q's dtype "
               f"({scalar_type_name(x.dtype)})" + ("" if x.dtype == torch.float64 else " or float32"))
         check(t.dim() in (2, 3), lambda: f"{op}: {arg} must be [S, R] or [B, S, R], got sizes {sizes(t.shape)}")
-        check(t.stride(-1) == 1 or t.shape[-1] == 1, lambda: f"{op}: {arg} must be contiguous in its last dim")
-    check(same_sizes(cos.shape, sin.shape) and same_sizes(cos.stride(), sin.stride()) and cos.dtype == sin.dtype,
+        check(any_of(t.stride(-1) == 1, t.shape[-1] == 1), lambda: f"{op}: {arg} must be contiguous in its last dim")
+    check(cos.dtype == sin.dtype and all_of(same_sizes(cos.shape, sin.shape), same_sizes(cos.stride(), sin.stride())),
           lambda: f"{op}: cos and sin must share sizes, strides and dtype, got {sizes(cos.shape)}{sizes(cos.stride())} "
           f"and {sizes(sin.shape)}{sizes(sin.stride())}")
     table_batch = cos.shape[0] if cos.dim() == 3 else 1
-    check(cos.shape[-2] == seq and (table_batch == batch or table_batch == 1),
+    check(all_of(cos.shape[-2] == seq, any_of(table_batch == batch, table_batch == 1)),
           lambda: f"{op}: cos has sizes {sizes(cos.shape)}; expected [S, R] or [B, S, R] with B = {batch}, S = {seq}")
     return cos.shape[-1]
 
@@ -533,7 +568,7 @@ def rope_apply(device, q_out, k_out, q, k, cos, sin, sequence_dim, inverse: bool
               f"{scalar_type_name(q.dtype)}")
     check(k.dim() == q.dim(), lambda: f"{op}: k has sizes {sizes(k.shape)} but q has sizes {sizes(q.shape)}")
     k_batch, _, k_seq, k_head_dim = _as_bhsd(k, sequence_dim, op, "k")
-    check(k_batch == batch and k_seq == seq and k_head_dim == head_dim,
+    check(all_of(k_batch == batch, k_seq == seq, k_head_dim == head_dim),
           lambda: f"{op}: k has sizes {sizes(k.shape)} but q has sizes {sizes(q.shape)} (batch, sequence and head dim "
           "must agree; heads may differ)")
     for t, arg, like, like_arg in ((q_out, "q_out", q, "q"), (k_out, "k_out", k, "k")):
@@ -546,7 +581,7 @@ def rope_apply(device, q_out, k_out, q, k, cos, sin, sequence_dim, inverse: bool
     _as_bhsd(q_out, sequence_dim, op, "q_out")
     _as_bhsd(k_out, sequence_dim, op, "k_out")
     rotary_dim = _check_tables(cos, sin, q, batch, seq, op)
-    check(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim,
+    check(all_of(rotary_dim % 2 == 0, rotary_dim > 0, rotary_dim <= head_dim),
           lambda: f"{op}: cos's last dim (the rotary dim) must be even and in [2, {head_dim}], got {rotary_dim}")
 
 
@@ -557,7 +592,7 @@ def qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, e
     check(q.dim() == 3, lambda: f"{op}: q must be [B, S, C], got sizes {sizes(q.shape)}")
     batch, seq, channels = q.shape
     max_row_bytes = QK_NORM_ROPE_CUDA_MAX_ROW_BYTES if device == "cuda" else INT64_MAX
-    check(channels % 2 == 0 and channels * q.element_size() <= max_row_bytes,
+    check(all_of(channels % 2 == 0, channels * q.element_size() <= max_row_bytes),
           lambda: f"{op}: C must be even and at most {max_row_bytes // q.element_size()} for "
           f"{scalar_type_name(q.dtype)}, got {channels}")
     for t, arg in ((k, "k"), (q_out, "q_out"), (k_out, "k_out")):
@@ -570,7 +605,7 @@ def qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, e
         check_same_device(t, q, op, arg, "q")
         check(t.dtype == q.dtype, lambda: f"{op}: {arg} has dtype {scalar_type_name(t.dtype)} but q has dtype "
               f"{scalar_type_name(q.dtype)}")
-        check(t.dim() == 1 and t.shape[0] == channels and (t.stride(0) == 1 or channels == 1),
+        check(t.dim() == 1 and all_of(t.shape[0] == channels, any_of(t.stride(0) == 1, channels == 1)),
               lambda: f"{op}: {arg} must be a contiguous [{channels}], got sizes {sizes(t.shape)}")
     check_eps(eps, op)
     rotary_dim = _check_tables(cos, sin, q, batch, seq, op)
@@ -581,11 +616,11 @@ def qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, e
     _check_outputs_apart(q_out, k_out, q, k, ((cos, "cos"), (sin, "sin"), (q_weight, "q_weight"),
                                               (k_weight, "k_weight")), op)
     row_strides = [row_view(t, op, arg)[2] for t, arg in ((q, "q"), (k, "k"), (q_out, "q_out"), (k_out, "k_out"))]
-    if device == "cuda" and batch * seq > 0 and channels > 0:
+    if device == "cuda" and not surely(batch * seq == 0) and not surely(channels == 0):
         _qk_norm_rope_cuda_launch(q_out, k_out, q, k, q_weight, k_weight, cos, sin, row_strides)
 
 
-def _aligned(t: torch.Tensor, bytes_: int) -> bool:
+def _aligned(t: torch.Tensor, bytes_: int):
     """The tensor's data pointer is a multiple of bytes_ (its storage's is: allocations are)."""
     return t.storage_offset() * t.element_size() % bytes_ == 0
 
@@ -598,10 +633,12 @@ def _qk_norm_rope_cuda_launch(q_out, k_out, q, k, q_weight, k_weight, cos, sin, 
     batch, seq, channels = q.shape
     vec = 16 // q.element_size()
     table_vec_bytes = vec * cos.element_size()
-    vector = (channels % vec == 0 and _aligned(cos, table_vec_bytes) and _aligned(sin, table_vec_bytes)
-              and (cos.dim() < 3 or cos.shape[0] == 1 or cos.stride(0) % vec == 0) and cos.stride(-2) % vec == 0
-              and all(_aligned(t, 16) for t in (q, k, q_weight, k_weight, q_out, k_out))
-              and all(stride % vec == 0 for stride in row_strides))
+    # Where sizes cannot tell, the vector path: the fake refuses only what the kernel would.
+    vector = not surely(sym_not(all_of(
+        channels % vec == 0, _aligned(cos, table_vec_bytes), _aligned(sin, table_vec_bytes),
+        cos.dim() < 3 or any_of(cos.shape[0] == 1, cos.stride(0) % vec == 0), cos.stride(-2) % vec == 0,
+        *(_aligned(t, 16) for t in (q, k, q_weight, k_weight, q_out, k_out)),
+        *(stride % vec == 0 for stride in row_strides))))
     check(channels <= 2048 * (vec if vector else 2),
           lambda: f"{op}: C = {channels} is too wide for the kernel's registers with these alignments")
     rows = batch * seq
