@@ -15,9 +15,12 @@ from typing import Optional
 
 import torch
 
-from ._ops import add_op_namespace_prefix, ops
+from . import _checks as checks
+from ._ops import ops
+from ._checks import ROWS_ADVICE, refuses_nested, register_fake
 
 
+@refuses_nested("gelu", ROWS_ADVICE)
 def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.gelu(x, approximate=approximate)``; the tanh form is what LTX-Video, FLUX and
     SD3 feed-forwards use (diffusers' ``gelu-approximate``)."""
@@ -27,6 +30,7 @@ def gelu(x: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tens
     return out
 
 
+@refuses_nested("gelu_mul", ROWS_ADVICE)
 def gelu_mul(
     gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -38,6 +42,7 @@ def gelu_mul(
     return out
 
 
+@refuses_nested("geglu", ROWS_ADVICE)
 def geglu(x: torch.Tensor, approximate: str = "none", *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """diffusers' ``GEGLU`` on the projection's output ``x = [value | gate]`` (``[..., 2H]``):
     ``value * gelu(gate)``, returning ``[..., H]``. The gate is the second half."""
@@ -47,37 +52,71 @@ def geglu(x: torch.Tensor, approximate: str = "none", *, out: Optional[torch.Ten
     return out
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gelu"))
-def _(x, approximate):
+# Fake implementations, for torch.compile, FakeTensorMode and meta tensors: the C++ checks
+# (._checks, same messages), then the outputs' metadata.
+
+
+def _empty_rows_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gelu_mul"))
-def _(gate, up, approximate):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+@register_fake("gelu")
+def _(device, x, approximate):
+    out = _empty_rows_like(x)
+    checks.activation(device, "gelu", out, x, None, approximate)
+    return out
 
 
-@torch.library.register_fake(add_op_namespace_prefix("geglu"))
-def _(x, approximate):
-    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
+@register_fake("gelu_out")
+def _(device, out, x, approximate):
+    checks.activation(device, "gelu", out, x, None, approximate)
 
 
-for _name in ("gelu_out", "gelu_mul_out", "geglu_out"):
-    torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
-del _name
+@register_fake("gelu_mul")
+def _(device, gate, up, approximate):
+    out = _empty_rows_like(gate)
+    checks.activation(device, "gelu_mul", out, gate, up, approximate, "gate")
+    return out
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gelu_backward"))
-def _(grad, x, approximate):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@register_fake("gelu_mul_out")
+def _(device, out, gate, up, approximate):
+    checks.activation(device, "gelu_mul", out, gate, up, approximate, "gate")
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gelu_mul_backward"))
-def _(grad, gate, up, approximate):
-    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
-            torch.empty_like(gate, memory_format=torch.contiguous_format))
+@register_fake("geglu")
+def _(device, x, approximate):
+    checks.check_geglu_input(x, "geglu")
+    out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+    checks.geglu_out(device, out, x, approximate)
+    return out
 
 
-@torch.library.register_fake(add_op_namespace_prefix("geglu_backward"))
-def _(grad, x, approximate):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@register_fake("geglu_out")
+def _(device, out, x, approximate):
+    checks.geglu_out(device, out, x, approximate)
+
+
+@register_fake("gelu_backward")
+def _(device, grad, x, approximate):
+    grad_input = x.new_empty(x.shape)
+    checks.activation(device, "gelu_backward", grad_input, x, None, approximate, grad=grad)
+    return grad_input
+
+
+@register_fake("gelu_mul_backward")
+def _(device, grad, gate, up, approximate):
+    grad_gate, grad_up = gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+    checks.activation(device, "gelu_mul_backward", grad_gate, gate, up, approximate, "gate", grad, grad_up)
+    return grad_gate, grad_up
+
+
+@register_fake("geglu_backward")
+def _(device, grad, x, approximate):
+    op = "geglu_backward"
+    checks.check_geglu_input(x, op)
+    grad_input = x.new_empty(x.shape)
+    grad_value, grad_gate = checks.geglu_halves(grad_input)
+    value, gate = checks.geglu_halves(x)
+    checks.activation(device, op, grad_gate, gate, value, approximate, grad=grad, up_grad=grad_value)
+    return grad_input

@@ -20,12 +20,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._ops import add_op_namespace_prefix, ops
+from . import _checks as checks
 from ._args import check_not_bool
+from ._ops import ops
+from ._checks import DENSE_ADVICE, ROWS_ADVICE, refuses_nested, register_fake
 
 NORMS = ("rms", "layer")
 
 
+@refuses_nested("rms_norm", ROWS_ADVICE)
 def rms_norm(
     x: torch.Tensor,
     weight: Optional[torch.Tensor] = None,
@@ -57,6 +60,7 @@ def rms_norm(
     return out
 
 
+@refuses_nested("fused_add_rms_norm", ROWS_ADVICE)
 def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -81,6 +85,7 @@ def fused_add_rms_norm(
     return out, residual_out
 
 
+@refuses_nested("adaln", DENSE_ADVICE)
 def adaln(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -108,6 +113,7 @@ def adaln(
     return out
 
 
+@refuses_nested("gated_residual", DENSE_ADVICE)
 def gated_residual(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, *, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -119,6 +125,7 @@ def gated_residual(
     return out
 
 
+@refuses_nested("gated_residual_adaln", DENSE_ADVICE)
 def gated_residual_adaln(
     residual: torch.Tensor,
     x: torch.Tensor,
@@ -148,76 +155,116 @@ def _check_norm(norm: str) -> None:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
 
 
-# Fake implementations: output metadata only, for torch.compile and meta tensors.
+# Fake implementations, for torch.compile, FakeTensorMode and meta tensors: the C++ checks
+# (._checks, same messages), then the outputs' metadata.
 
 
 def _empty_rows_like(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     return torch.empty_like(x, dtype=dtype or x.dtype, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("rms_norm"))
-def _(x, weight, eps, weight_offset, cast_before_weight, out_dtype):
-    return _empty_rows_like(x, out_dtype)
-
-
-@torch.library.register_fake(add_op_namespace_prefix("fused_add_rms_norm"))
-def _(x, residual, weight, eps, weight_offset, cast_before_weight):
-    return _empty_rows_like(x), _empty_rows_like(x)
-
-
-@torch.library.register_fake(add_op_namespace_prefix("adaln"))
-def _(x, scale, shift, eps, norm):
-    return _empty_rows_like(x)
-
-
 def _empty_stats(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], 2), dtype=torch.float32)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("adaln_with_stats"))
-def _(x, scale, shift, eps, norm):
-    return _empty_rows_like(x), _empty_stats(x)
+def _empty_grad_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gated_residual"))
-def _(residual, x, gate):
-    return _empty_rows_like(x)
+@register_fake("rms_norm")
+def _(device, x, weight, eps, weight_offset, cast_before_weight, out_dtype):
+    out = _empty_rows_like(x, out_dtype)
+    checks.rms_norm_out(device, out, x, weight, eps)
+    return out
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gated_residual_adaln"))
-def _(residual, x, gate, scale, shift, eps, norm):
-    return _empty_rows_like(x), _empty_rows_like(x)
+@register_fake("rms_norm_out")
+def _(device, out, x, weight, eps, weight_offset, cast_before_weight):
+    checks.rms_norm_out(device, out, x, weight, eps)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gated_residual_adaln_with_stats"))
-def _(residual, x, gate, scale, shift, eps, norm):
-    return _empty_rows_like(x), _empty_rows_like(x), _empty_stats(x)
+@register_fake("fused_add_rms_norm")
+def _(device, x, residual, weight, eps, weight_offset, cast_before_weight):
+    out, residual_out = _empty_rows_like(x), _empty_rows_like(x)
+    checks.fused_add_rms_norm_out(device, out, residual_out, x, residual, weight, eps)
+    return out, residual_out
 
 
-for _name in ("rms_norm_out", "fused_add_rms_norm_out", "adaln_out", "gated_residual_out",
-              "gated_residual_adaln_out"):
-    torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
-del _name
+@register_fake("fused_add_rms_norm_out")
+def _(device, out, residual_out, x, residual, weight, eps, weight_offset, cast_before_weight):
+    checks.fused_add_rms_norm_out(device, out, residual_out, x, residual, weight, eps)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("rms_norm_backward"))
-def _(grad_out, x, weight, eps, weight_offset, cast_before_weight, grad_extra):
-    grad_weight = x.new_empty(0) if weight is None else torch.empty_like(weight, memory_format=torch.contiguous_format)
-    return _empty_rows_like(x), grad_weight
+@register_fake("adaln")
+def _(device, x, scale, shift, eps, norm):
+    out = _empty_rows_like(x)
+    checks.adaln_out(device, out, x, scale, shift, eps, norm)
+    return out
 
 
-@torch.library.register_fake(add_op_namespace_prefix("adaln_backward"))
-def _(grad_out, x, scale, shift, eps, norm, grad_extra, stats=None):
-    return (_empty_rows_like(x), torch.empty_like(scale, memory_format=torch.contiguous_format),
-            torch.empty_like(shift, memory_format=torch.contiguous_format))
+@register_fake("adaln_out")
+def _(device, out, x, scale, shift, eps, norm):
+    checks.adaln_out(device, out, x, scale, shift, eps, norm)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gated_residual_backward"))
-def _(grad_out, x, gate):
-    return _empty_rows_like(x), torch.empty_like(gate, memory_format=torch.contiguous_format)
+@register_fake("adaln_with_stats")
+def _(device, x, scale, shift, eps, norm):
+    out = _empty_rows_like(x)
+    checks.adaln_out(device, out, x, scale, shift, eps, norm)
+    return out, _empty_stats(x)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("gated_residual_adaln_backward"))
-def _(grad_out, grad_residual_out, residual_out, x, gate, scale, shift, eps, norm, stats=None):
-    return (_empty_rows_like(residual_out), _empty_rows_like(x),
-            *(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (gate, scale, shift)))
+@register_fake("gated_residual")
+def _(device, residual, x, gate):
+    residual_out = _empty_rows_like(x)
+    checks.gated_residual_out(device, residual_out, None, residual, x, gate)
+    return residual_out
+
+
+@register_fake("gated_residual_out")
+def _(device, residual_out, residual, x, gate):
+    checks.gated_residual_out(device, residual_out, None, residual, x, gate)
+
+
+@register_fake("gated_residual_adaln")
+def _(device, residual, x, gate, scale, shift, eps, norm):
+    residual_out, out = _empty_rows_like(x), _empty_rows_like(x)
+    checks.gated_residual_out(device, residual_out, out, residual, x, gate, scale, shift, eps, norm)
+    return residual_out, out
+
+
+@register_fake("gated_residual_adaln_out")
+def _(device, residual_out, out, residual, x, gate, scale, shift, eps, norm):
+    checks.gated_residual_out(device, residual_out, out, residual, x, gate, scale, shift, eps, norm)
+
+
+@register_fake("gated_residual_adaln_with_stats")
+def _(device, residual, x, gate, scale, shift, eps, norm):
+    residual_out, out = _empty_rows_like(x), _empty_rows_like(x)
+    checks.gated_residual_out(device, residual_out, out, residual, x, gate, scale, shift, eps, norm)
+    return residual_out, out, _empty_stats(x)
+
+
+@register_fake("rms_norm_backward")
+def _(device, grad_out, x, weight, eps, weight_offset, cast_before_weight, grad_extra):
+    checks.rms_norm_backward(device, grad_out, x, weight, eps, grad_extra)
+    return _empty_rows_like(x), x.new_empty(0) if weight is None else _empty_grad_like(weight)
+
+
+@register_fake("adaln_backward")
+def _(device, grad_out, x, scale, shift, eps, norm, grad_extra, stats=None):
+    checks.adaln_backward(device, grad_out, x, scale, shift, eps, norm, grad_extra, stats)
+    return _empty_rows_like(x), _empty_grad_like(scale), _empty_grad_like(shift)
+
+
+@register_fake("gated_residual_backward")
+def _(device, grad_out, x, gate):
+    checks.gated_residual_backward(device, grad_out, x, gate)
+    return _empty_rows_like(x), _empty_grad_like(gate)
+
+
+@register_fake("gated_residual_adaln_backward")
+def _(device, grad_out, grad_residual_out, residual_out, x, gate, scale, shift, eps, norm, stats=None):
+    checks.gated_residual_adaln_backward(device, grad_out, grad_residual_out, residual_out, x, gate, scale, shift,
+                                         eps, norm, stats)
+    return (_empty_rows_like(x), _empty_rows_like(x), *(_empty_grad_like(t) for t in (gate, scale, shift)))

@@ -19,10 +19,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._ops import add_op_namespace_prefix, ops
+from . import _checks as checks
 from ._args import check_not_bool
+from ._ops import ops
+from ._checks import DENSE_ADVICE, refuses_nested, register_fake
 
 
+@refuses_nested("rope_rotate_half", DENSE_ADVICE)
 def rope_rotate_half(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: Optional[int] = None,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
@@ -34,6 +37,7 @@ def rope_rotate_half(
     return _rope(q, k, cos, sin, False, sequence_dim, inplace, out)
 
 
+@refuses_nested("rope_interleaved", DENSE_ADVICE)
 def rope_interleaved(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: Optional[int] = None,
     inplace: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
@@ -44,6 +48,7 @@ def rope_interleaved(
     return _rope(q, k, cos, sin, True, sequence_dim, inplace, out)
 
 
+@refuses_nested("qk_norm_rope", DENSE_ADVICE)
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,22 +100,42 @@ def _rope(q, k, cos, sin, interleaved, sequence_dim, inplace, out):
     return ops.rope(q, k, cos, sin, interleaved, sequence_dim)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("rope"))
-def _(q, k, cos, sin, interleaved, sequence_dim):
-    return torch.empty_like(q), torch.empty_like(k)
+# Fake implementations, for torch.compile, FakeTensorMode and meta tensors: the C++ checks
+# (._checks, same messages), then the outputs' metadata.
 
 
-@torch.library.register_fake(add_op_namespace_prefix("qk_norm_rope"))
-def _(q, k, q_weight, k_weight, cos, sin, eps):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format))
+@register_fake("rope")
+def _(device, q, k, cos, sin, interleaved, sequence_dim):
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)  # q's and k's layouts
+    checks.rope_apply(device, q_out, k_out, q, k, cos, sin, sequence_dim)
+    return q_out, k_out
 
 
-for _name in ("rope_out", "rope_", "qk_norm_rope_out"):
-    torch.library.register_fake(add_op_namespace_prefix(_name))(lambda *args: None)
-del _name
+@register_fake("rope_out")
+def _(device, q_out, k_out, q, k, cos, sin, interleaved, sequence_dim):
+    checks.rope_apply(device, q_out, k_out, q, k, cos, sin, sequence_dim)
 
 
-@torch.library.register_fake(add_op_namespace_prefix("rope_backward"))
-def _(grad_q, grad_k, cos, sin, interleaved, sequence_dim):
-    return torch.empty_like(grad_q), torch.empty_like(grad_k)
+@register_fake("rope_")
+def _(device, q, k, cos, sin, interleaved, sequence_dim):
+    checks.rope_apply(device, q, k, q, k, cos, sin, sequence_dim)
+
+
+@register_fake("rope_backward")
+def _(device, grad_q, grad_k, cos, sin, interleaved, sequence_dim):
+    grad_q_in, grad_k_in = torch.empty_like(grad_q), torch.empty_like(grad_k)
+    checks.rope_apply(device, grad_q_in, grad_k_in, grad_q, grad_k, cos, sin, sequence_dim, inverse=True)
+    return grad_q_in, grad_k_in
+
+
+@register_fake("qk_norm_rope")
+def _(device, q, k, q_weight, k_weight, cos, sin, eps):
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    checks.qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps)
+    return q_out, k_out
+
+
+@register_fake("qk_norm_rope_out")
+def _(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps):
+    checks.qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps)
