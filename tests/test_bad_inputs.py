@@ -236,9 +236,10 @@ def layer_rms_ref(t):
 
 
 def layer_rms_accepts(a, p):
-    """transformers' Llama order: fp16/bf16 activations with a weight of their dtype or
-    fp32 (fp32 out); fp32 activations with an fp32, fp16 or bf16 weight (fp32 math)."""
-    return a == p or a == torch.float32 or (p == torch.float32 and a in (torch.float16, torch.bfloat16))
+    """transformers' Llama order: activations and weight of any of the kernels' dtypes; a
+    weight of another dtype promotes the product to fp32, as the host's does."""
+    kernel_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    return a in kernel_dtypes and p in kernel_dtypes
 
 
 class _HostRefused(RuntimeError, ValueError):
@@ -247,13 +248,15 @@ class _HostRefused(RuntimeError, ValueError):
 
 class _Host(SimpleNamespace):
     """Stands for the host module. The layers hand what they do not support to the host's
-    own forward (`layers._host(self).forward`); this one refuses, naming the input, so such a case
+    own forward (`layers._host(self).forward`); this one refuses, naming the input and its
+    tensor attributes (the weight), so such a case
     shows up as a refusal rather than as the host's (untested here) result."""
 
     def forward(self, x):
         if x.numel() == 0 and x.is_floating_point():  # what any row-wise host returns for no rows
             return torch.empty_like(x)
-        raise _HostRefused(f"host forward: input of dtype {x.dtype} and sizes {tuple(x.shape)} left to the host")
+        operands = "".join(f", {name} of dtype {v.dtype}" for name, v in vars(self).items() if isinstance(v, torch.Tensor))
+        raise _HostRefused(f"host forward: input of dtype {x.dtype} and sizes {tuple(x.shape)}{operands} left to the host")
 
 
 def call_layer(layer_class, attrs):

@@ -165,8 +165,7 @@ class RMSNormZeroCentered(nn.Module):
     @_or_host
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (not _rows(x) or not isinstance(weight, torch.Tensor) or not _vector_of(weight, x)
-                or weight.dtype not in KERNEL_DTYPES or _under_torch_compile()):
+        if not _rows(x) or not isinstance(weight, torch.Tensor) or not _vector_of(weight, x) or _under_torch_compile():
             return _host(self).forward(self, x)
         if weight.dtype not in (x.dtype, torch.float32):
             weight = weight.float()  # the host upcasts the weight anyway: exact
