@@ -220,6 +220,22 @@ def test_adaln_backward_refuses_bad_stats(kernel, device):
             kernel.ops.adaln_backward(x, x, mod, mod, 1e-6, "layer", None, stats)
 
 
+def test_forwards_with_stats_refuse_a_0dim_input(kernel, device):
+    """The forwards that autograd calls size their row statistics from the input: a 0-dim
+    input (which has no rows) is refused as the plain forwards refuse it, not a crash."""
+    s = torch.tensor(1.0, device=device)
+    calls = {"adaln": lambda x: kernel.adaln(x.requires_grad_(), s, s),
+             "gated_residual_adaln": lambda x: kernel.gated_residual_adaln(s, x.requires_grad_(), s, s, s),
+             "adaln_with_stats": lambda x: kernel.ops.adaln_with_stats(x, s, s, 1e-6, "rms"),
+             "gated_residual_adaln_with_stats":
+                 lambda x: kernel.ops.gated_residual_adaln_with_stats(s, x, s, s, s, 1e-6, "layer")}
+    for name, call in calls.items():
+        op = "adaln" if name.startswith("adaln") else "gated_residual"
+        with pytest.raises(RuntimeError, match=rf"^{op}: input must have at least 1 dim \(the one normalised\), "
+                                               "got a 0-dim tensor$"):
+            call(torch.tensor(1.0, device=device))
+
+
 # (input, gate) shapes over the backward's paths: per-batch, shared and per-token gates,
 # a per-token gate shared by the batch; B = 1 and S = 1 (a row per input row); [B, D]
 # input, with many rows and a shared gate (one group of column sums); many rows per batch

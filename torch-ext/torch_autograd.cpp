@@ -131,7 +131,8 @@ void refuse_forward_ad(const c10::OperatorHandle& op, const Args&... args) {
 
 optional<Tensor> maybe(const Tensor& t) { return t.defined() ? optional<Tensor>(t) : std::nullopt; }
 
-Tensor last_dim_contiguous(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+// sym_stride: under dynamic-shape tracing a plain stride() would specialise the sizes.
+Tensor last_dim_contiguous(const Tensor& t) { return t.sym_stride(-1) == 1 ? t : t.contiguous(); }
 
 // RoPE tables are constants: a cos or sin that requires grad is refused at backward.
 void check_constant_tables(AutogradContext* ctx, const char* op, int first_table) {

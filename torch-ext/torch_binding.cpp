@@ -45,8 +45,10 @@ Tensor adaln(const Tensor& input, const Tensor& scale, const Tensor& shift, doub
   return out;
 }
 
-// Each row's mean and rstd, fp32 [..., 2], for the backward.
+// Each row's mean and rstd, fp32 [..., 2], for the backward. A 0-dim input has no rows:
+// a placeholder, as the op's checks then refuse the input before the stats are looked at.
 Tensor empty_stats(const Tensor& input) {
+  if (input.dim() == 0) return at::empty({0}, input.options().dtype(at::kFloat));
   return at::empty(ltx::stats_sizes(input), input.options().dtype(at::kFloat));
 }
 
