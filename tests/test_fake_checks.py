@@ -11,6 +11,7 @@ for every tensor argument of every op, the fakes apply CUDA's rules to CUDA tens
 (the table's expectations on fake CUDA tensors, without a GPU), and nested tensors get
 a message naming the function and what to do."""
 
+import contextlib
 import functools
 import re
 
@@ -25,6 +26,8 @@ from conftest import HAS_GPU, load_variant
 from test_compile import _cases as op_cases, _model, _model_inputs
 
 DEVICE_NAME = re.compile(r"\b(?:cpu|cuda:\d+|meta)\b")
+# Autograd's names for a tensor's type, which name its device too: torch.FloatTensor, MetaFloatType.
+TENSOR_TYPE = re.compile(r"\b(?:torch\.(?:cuda\.)?\w+Tensor|Meta\w+Type)\b")
 # The dispatcher's own message for a backend without a kernel: compared up to its first sentence.
 NO_KERNEL = re.compile(r"Could not run '[^']+' with arguments from the '\w+' backend")
 # Integer arithmetic as SymInts print it: 2*64, 6**2, (128//2).
@@ -47,7 +50,9 @@ def summary(outcome, devices: bool = True):
         message = str(outcome)
         no_kernel = NO_KERNEL.match(message)
         message = no_kernel.group(0) if no_kernel else message
-        return type(outcome).__name__, message if devices else DEVICE_NAME.sub("<device>", message)
+        if not devices:
+            message = TENSOR_TYPE.sub("<tensor type>", DEVICE_NAME.sub("<device>", message))
+        return type(outcome).__name__, message
     return [None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.device if devices else None)
             for t in outcome]
 
@@ -104,12 +109,40 @@ def compare_fakes(call, tensors: dict, real, meta: bool = True):
 # ---------------------------------------------------------------------------- the bad-input table
 
 
+def runs_backward(case) -> bool:
+    return case.label.endswith(("_saved_for_backward", "double_backward"))
+
+
+def runs_autograd(case) -> bool:
+    """Cases whose tensors carry autograd state that fakes converted from real tensors do
+    not: dual tensors, and tensors with a history that a backward runs through."""
+    return case.context is not contextlib.nullcontext or runs_backward(case)
+
+
+def run_case(kernel, case, device: str, backend: str):
+    """The case's outcome, its tensors made, perturbed and called on `device` (under the
+    case's context)."""
+    with case.context():
+        tensors = case.api.make(case.dims, case.dtype, device)
+        case.perturb(tensors, table.Target(backend, device))
+        return attempt(lambda: case.api.call(kernel, tensors))
+
+
 @pytest.mark.parametrize("case", table.CASES, ids=str)
 def test_table_case_fails_on_fakes_as_it_fails_for_real(target, case):
     kernel, device = target
     if case.gpu_only and not HAS_GPU:
         pytest.skip("needs a second device (GPU)")
     backend = "cuda" if "_cuda_" in kernel.ops.name else "cpu"
+    if runs_autograd(case):
+        # The autograd kernels refuse these before any fake runs: the case as a whole on
+        # fake tensors and on meta tensors (sizes, not values, decide the outcome).
+        real = run_case(kernel, case, device, backend)
+        with FakeTensorMode():
+            assert summary(run_case(kernel, case, device, backend)) == summary(real), "FakeTensorMode"
+        assert summary(run_case(kernel, case, "meta", backend), devices=False) == summary(real, devices=False), \
+            "meta tensors"
+        return
     tensors = case.api.make(case.dims, case.dtype, device)
     case.perturb(tensors, table.Target(backend, device))
     real = attempt(lambda: case.api.call(kernel, tensors))  # it may write into them; sizes stay
@@ -117,12 +150,15 @@ def test_table_case_fails_on_fakes_as_it_fails_for_real(target, case):
     compare_fakes(lambda t: case.api.call(kernel, t), tensors, real, meta=not case.api.name.startswith("layers."))
 
 
-@pytest.mark.parametrize("case", [c for c in table.CASES if not c.api.name.startswith("layers.")], ids=str)
+# (A backward on fake CUDA tensors needs a CUDA device: the cases that run one are compared
+# on fake CPU tensors above.)
+@pytest.mark.parametrize("case", [c for c in table.CASES if not c.api.name.startswith("layers.")
+                                  and not runs_backward(c)], ids=str)
 def test_table_case_on_fake_cuda_tensors(case):
     """The CUDA variant's rules (no float64, qk_norm_rope's row limit, a CPU tensor beside
     CUDA ones) hold on fake CUDA tensors: without a GPU, the table's expectation for CUDA."""
     kernel = table_kernel("cuda")
-    with FakeTensorMode():
+    with FakeTensorMode(), case.context():
         tensors = case.api.make(case.dims, case.dtype, "cuda")
         expect = case.perturb(tensors, table.Target("cuda", "cuda"))
         outcome = attempt(lambda: case.api.call(kernel, tensors))
@@ -219,9 +255,7 @@ def test_meta_tensor_beside_real_tensors_is_refused(kernel, device, case):
     """A meta tensor mixed into a CPU (or CUDA) call reaches the fake, which refused nothing
     and returned an uninitialised tensor; now it names the argument on the other device."""
     op, schema, args = op_and_args(kernel, device, case)
-    # The messages call rope_backward's grads q and k, as rope's inputs.
-    names = [a.name.removeprefix("grad_") if schema.name.endswith("rope_backward") else a.name
-             for a in schema.arguments]
+    names = [a.name for a in schema.arguments]
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if len(tensors) < 2:
         pytest.skip("one tensor: nothing beside it")
@@ -279,30 +313,35 @@ def test_compile_refuses_a_bad_call_at_trace_time(kernel, device, case):
 
 @pytest.mark.parametrize("mark", ["dynamic=True", "mark_dynamic"])
 def test_compile_with_dynamic_shapes_matches_eager_without_recompiles(kernel, device, mark):
-    """Symbolic sizes through every forward op's fake: new batch and sequence lengths reuse
-    the one graph. (aot_eager: traced as inductor traces, without the size guards of
-    inductor's own CPU code generation. The backward ops' fakes meet symbolic sizes in
-    test_every_op_fails_on_fakes_as_it_fails_for_real.)"""
+    """Symbolic sizes through every op's fake and autograd formula, forward and backward:
+    new batch and sequence lengths reuse the one graph. (aot_eager: traced as inductor
+    traces, without the size guards of inductor's own CPU code generation.)"""
     import torch._dynamo
 
     torch._dynamo.reset()
     block = _model(kernel)
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True,
                              dynamic=True if mark == "dynamic=True" else None)
+    tables = {8, 9, 10, 11}  # cos, sin, lcos, lsin: constants
     # Sizes unlike every other one (heads 2 and 4, channels 32 and 64): no two dims share a symbol.
     for n, (batch, seq) in enumerate([(3, 5), (6, 7), (7, 9)]):
         inputs = []
-        for t in _model_inputs(device):
+        for i, t in enumerate(_model_inputs(device)):
             batch_dim = t.dim() >= 2 and t.shape[0] == 2
             seq_dims = [d for d, size in enumerate(t.shape) if size == 5]
             shape = [batch if d == 0 and batch_dim else seq if d in seq_dims else size for d, size in enumerate(t.shape)]
-            inputs.append(torch.randn(shape, device=device))
+            inputs.append(torch.randn(shape, device=device, requires_grad=i not in tables))
             if mark == "mark_dynamic":
                 for d in [0] * batch_dim + seq_dims:
                     torch._dynamo.mark_dynamic(inputs[-1], d)
+        leaves = [t for i, t in enumerate(inputs) if i not in tables]
         with torch._dynamo.config.patch(error_on_recompile=n > 0):
             got = compiled(*inputs)
-        torch.testing.assert_close(got, block(*inputs), rtol=1e-4, atol=1e-3)
+            got_grads = torch.autograd.grad(got, leaves)
+        want = block(*inputs)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+        for a, b in zip(got_grads, torch.autograd.grad(want, leaves)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------- nested tensors

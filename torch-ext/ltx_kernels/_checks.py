@@ -209,47 +209,121 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def has_internal_overlap(t: torch.Tensor) -> bool:
-    """at::has_internal_overlap is Yes: a broadcast dim (stride 0) writes one element twice."""
-    if _dense(t):
-        return False
-    return any(surely(stride == 0) and not surely(size <= 1) for size, stride in zip(t.shape, t.stride()))
+def _decided(decide: Callable, otherwise):
+    """decide(), or `otherwise` where a data-dependent size leaves it open (the real op's
+    check then runs when the compiled code runs)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        return decide()
+    except GuardOnDataDependentSymNode:
+        return otherwise
 
 
-FULL, PARTIAL, NONE, TOO_HARD = "full", "partial", "none", "too hard"
+# Memory shared between tensors, by byte ranges (common.h's overlap_detail). Addresses are
+# byte offsets into the one storage: only views of one storage can share memory, and the
+# tests below depend on the difference of two addresses alone.
 
 
-def overlap_status(a: torch.Tensor, b: torch.Tensor) -> str:
-    """at::get_overlap_status: byte ranges of dense tensors on one storage (overlaps that
-    data-dependent sizes leave open pass, as those the C++ finds too hard)."""
-    if a is b:
-        return FULL
-    if surely(a.numel() == 0) or surely(b.numel() == 0):
+def _strided_dims(t: torch.Tensor):
+    """(byte stride, size) of each dim of more than one element."""
+    item = t.element_size()
+    return [(stride * item, size) for size, stride in zip(t.shape, t.stride()) if size > 1]
+
+
+def _byte_range(t: torch.Tensor):
+    begin = t.storage_offset() * t.element_size()
+    end = begin + t.element_size()
+    for stride, size in _strided_dims(t):
+        end = end + stride * (size - 1)
+    return begin, end
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.storage_offset() * a.element_size() == b.storage_offset() * b.element_size()
+            and a.element_size() == b.element_size() and same_sizes(a.shape, b.shape)
+            and _strided_dims(a) == _strided_dims(b))
+
+
+def _extent_within(t: torch.Tensor, period) -> int:
+    """The bytes t spans modulo `period` when its dims of strides that are not multiples
+    of the period span less than one period; else -1."""
+    extent = t.element_size()
+    for stride, size in _strided_dims(t):
+        if stride % period != 0:
+            extent = extent + stride * (size - 1)
+    return extent if extent <= period else -1
+
+
+def _interleaved_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b provably share no byte: for one of their strides as the period, each lies in
+    an interval (mod the period) and the two intervals are apart."""
+    a_dims, b_dims = _strided_dims(a), _strided_dims(b)
+    a_start, b_start = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    for period, _ in (*a_dims, *b_dims):
+        if period <= 0:
+            continue
+        extent_a, extent_b = _extent_within(a, period), _extent_within(b, period)
+        if extent_a < 0 or extent_b < 0:
+            continue
+        b_after_a = (b_start - a_start) % period  # where b starts, seen from a's start
+        if b_after_a >= extent_a and period - b_after_a >= extent_b:
+            return True
+    return False
+
+
+NONE, SAME_VIEW, PARTIAL = "none", "same view", "partial"
+
+
+def memory_sharing(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> str:
+    """NONE: no byte in common; SAME_VIEW: the same elements exactly; PARTIAL: anything else.
+    What data-dependent sizes leave open counts as NONE."""
+    if a is None or b is None or a.device != b.device or not _same_storage(a, b):
         return NONE
-    if not _dense(a) or not _dense(b):
-        return TOO_HARD
-    if _same_storage(a, b):
-        a_begin, b_begin = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
-        a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()
-        if surely(all_of(a_begin == b_begin, a_end == b_end)):
-            return FULL if surely(same_sizes(a.stride(), b.stride())) else PARTIAL
-        if surely(all_of(a_begin < b_end, b_begin < a_end)):
-            return PARTIAL
-    return NONE
+
+    def sharing() -> str:
+        if a.numel() == 0 or b.numel() == 0:
+            return NONE
+        (a_begin, a_end), (b_begin, b_end) = _byte_range(a), _byte_range(b)
+        if a_end <= b_begin or b_end <= a_begin:
+            return NONE
+        if _same_view(a, b):
+            return SAME_VIEW
+        return NONE if _interleaved_apart(a, b) else PARTIAL
+
+    return _decided(sharing, otherwise=NONE)
 
 
-def check_output_overlap(out: torch.Tensor, inputs: Sequence[Optional[torch.Tensor]], op: str, arg: str) -> None:
-    check(not has_internal_overlap(out), lambda: f"{op}: {arg} has elements that share memory (an expanded view?); "
-          "pass a tensor that owns its memory")
-    for t in inputs:
-        if t is not None:
-            check(overlap_status(out, t) != PARTIAL, lambda: f"{op}: {arg} partly overlaps an input; outputs may be "
-                  "an input itself or separate memory")
+def elements_apart(t: torch.Tensor) -> bool:
+    """Each element has bytes of its own: with t's dims sorted by stride, each stride clears
+    the span of the dims inside it."""
+    if _dense(t):
+        return True  # (what the walk below finds, without guards on symbolic strides)
+
+    def walk() -> bool:
+        span = t.element_size()
+        for stride, size in sorted(_strided_dims(t)):
+            if stride < span:
+                return False
+            span = stride * (size - 1) + span
+        return True
+
+    return _decided(walk, otherwise=True)
+
+
+def check_output_overlap(out: torch.Tensor, inputs: Sequence, op: str, arg: str) -> None:
+    """An output writes no element twice and shares no memory with an input but for being
+    that input itself. inputs: (tensor or None, name) pairs."""
+    check(_decided(lambda: bool(out.numel() == 0), otherwise=False) or elements_apart(out),
+          lambda: f"{op}: {arg} has elements that share memory (an expanded view?): sizes {sizes(out.shape)} and "
+          f"strides {sizes(out.stride())}; pass a tensor that owns its memory")
+    for t, name in inputs:
+        check(memory_sharing(out, t) != PARTIAL, lambda: f"{op}: {arg} partly overlaps an input ({name}); an output "
+              "may be that input itself (the same view: in place) or memory apart from it")
 
 
 def check_disjoint_outputs(a: torch.Tensor, b: torch.Tensor, op: str, arg_a: str, arg_b: str) -> None:
-    check(overlap_status(a, b) not in (FULL, PARTIAL),
-          lambda: f"{op}: {arg_a} and {arg_b} share memory; they must be separate tensors")
+    check(memory_sharing(a, b) == NONE, lambda: f"{op}: {arg_a} and {arg_b} share memory; they must be separate tensors")
 
 
 def check_eps(eps, op: str) -> None:
@@ -276,8 +350,7 @@ class NormChecker:
         op, x = self.op, self.input
         check_device(x, self.device, op, "input")
         check_float_dtype(x, op, "input")
-        check(x.dim() >= 1 and x.shape[-1] > 0,
-              lambda: f"{op}: input must have a non-empty last dim, got sizes {sizes(x.shape)}")
+        check(x.dim() >= 1, lambda: f"{op}: input must have at least 1 dim (the one normalised), got a 0-dim tensor")
         check(x.shape[-1] <= INT32_MAX, lambda: f"{op}: last dim {x.shape[-1]} is too large (at most 2^31 - 1)")
         self.cols = row_view(x, op, "input")[1]
 
@@ -304,7 +377,7 @@ class NormChecker:
                  if fp32_allowed and self.dtype != torch.float64 else ""))
         check(w.dim() == 1 and w.shape[0] == cols,
               lambda: f"{op}: weight must have shape [{cols}] (the input's last dim), got {sizes(w.shape)}")
-        check(any_of(w.stride(0) == 1, cols == 1), lambda: f"{op}: weight must be contiguous, got stride {w.stride(0)}")
+        check(any_of(w.stride(0) == 1, cols <= 1), lambda: f"{op}: weight must be contiguous, got stride {w.stride(0)}")
         self.weight_fp32 = fp32
 
     def batch_tokens(self) -> None:
@@ -328,7 +401,7 @@ class NormChecker:
         check(all_of(any_of(mb == batch, mb == 1), any_of(ms == tokens, ms == 1)),
               lambda: f"{op}: {arg} with sizes {sizes(m.shape)} does not broadcast to input "
               f"[B={batch}, S={tokens}, D={cols}]")
-        check(any_of(m.stride(-1) == 1, cols == 1),
+        check(any_of(m.stride(-1) == 1, cols <= 1),
               lambda: f"{op}: {arg} must be contiguous in its last dim, got stride {m.stride(-1)}")
 
     def adaln(self, out, scale, shift, eps, norm: str, inputs: Sequence, stats=None) -> None:
@@ -339,7 +412,7 @@ class NormChecker:
         self.modulation(scale, "scale")
         self.modulation(shift, "shift")
         self.like_input(out, "out", self.dtype)
-        check_output_overlap(out, (x, scale, shift), op, "out")
+        check_output_overlap(out, ((x, "input"), (scale, "scale"), (shift, "shift")), op, "out")
         check_output_overlap(out, inputs, op, "out")
         if stats is not None:
             self.check_stats(stats, "stats")
@@ -380,7 +453,7 @@ def rms_norm_out(device, out, input, weight, eps, op: str = "rms_norm") -> NormC
           + ("" if dtype == torch.float64 else " (out may be the input's dtype or float32)"))
     check(not out_fp32 or c.weight_fp32, lambda: f"{op}: a float32 out needs a float32 weight")
     c.like_input(out, "out", out.dtype)
-    check_output_overlap(out, (input, weight), op, "out")
+    check_output_overlap(out, ((input, "input"), (weight, "weight")), op, "out")
     return c
 
 
@@ -390,8 +463,9 @@ def fused_add_rms_norm_out(device, out, residual_out, input, residual, weight, e
     c.like_input(residual, "residual", input.dtype)
     c.like_input(residual_out, "residual_out", input.dtype)
     check_disjoint_outputs(out, residual_out, op, "out", "residual_out")
-    check_output_overlap(out, (residual,), op, "out")
-    check_output_overlap(residual_out, (input, residual, weight), op, "residual_out")
+    check_output_overlap(out, ((residual, "residual"),), op, "out")
+    check_output_overlap(residual_out, ((input, "input"), (residual, "residual"), (weight, "weight")), op,
+                         "residual_out")
 
 
 def adaln_out(device, out, input, scale, shift, eps, norm) -> None:
@@ -410,14 +484,14 @@ def gated_residual_out(device, residual_out, out, residual, input, gate, scale=N
     c.batch_tokens()
     c.like_input(residual, "residual", input.dtype)
     c.like_input(residual_out, "residual_out", input.dtype)
-    check_output_overlap(residual_out, (input, residual, gate), op, "residual_out")
+    check_output_overlap(residual_out, ((input, "input"), (residual, "residual"), (gate, "gate")), op, "residual_out")
     c.modulation(gate, "gate")
     if out is not None:
         check_disjoint_outputs(out, residual_out, op, "out", "residual_out")
         # A row's residual_out is stored before its scale and shift are read.
         check_disjoint_outputs(residual_out, scale, op, "residual_out", "scale")
         check_disjoint_outputs(residual_out, shift, op, "residual_out", "shift")
-        c.adaln(out, scale, shift, eps, norm, (residual, gate))
+        c.adaln(out, scale, shift, eps, norm, ((residual, "residual"), (gate, "gate")))
 
 
 def rms_norm_backward(device, grad_out, input, weight, eps, grad_extra) -> None:
@@ -487,7 +561,7 @@ def activation(device, op: str, out, gate, up, approximate: str, gate_arg: str =
               f"dtype {scalar_type_name(gate.dtype)}")
         check(same_sizes(t.shape, gate.shape),
               lambda: f"{op}: {arg} has sizes {sizes(t.shape)} but expected {sizes(gate.shape)}")
-    check_output_overlap(out, (gate, up), op, "out")
+    check_output_overlap(out, ((gate, gate_arg), (up, "up")), op, "out")
     for t, arg in others:
         row_view(t, op, arg)
 
@@ -506,8 +580,6 @@ def geglu_halves(input):
 def geglu_out(device, out, input, approximate) -> None:
     op = "geglu"
     check_geglu_input(input, op)
-    # out against the whole input: the two halves are strided views, too hard to compare.
-    check_output_overlap(out, (input,), op, "out")
     value, gate = geglu_halves(input)
     activation(device, op, out, gate, value, approximate)
 
@@ -519,25 +591,26 @@ def _as_bhsd(t, sequence_dim, op: str, arg: str):
     """t as [B, H, S, D] sizes."""
     check(t.dim() in (3, 4),
           lambda: f"{op}: {arg} must be [B, S, C], [B, H, S, D] or [B, S, H, D], got sizes {sizes(t.shape)}")
-    check(any_of(t.stride(-1) == 1, t.shape[-1] == 1),
+    check(any_of(t.stride(-1) == 1, t.shape[-1] <= 1),
           lambda: f"{op}: {arg} must be contiguous in its last dim, got strides {sizes(t.stride())}")
     if t.dim() == 3:
+        check(sequence_dim == 1, lambda: f"{op}: sequence_dim must be 1 for a 3-D {arg} ([B, S, C]), got {sequence_dim}")
         return t.shape[0], 1, t.shape[1], t.shape[2]
     check(sequence_dim in (1, 2), lambda: f"{op}: sequence_dim must be 1 ([B, S, H, D]) or 2 ([B, H, S, D]), got "
           f"{sequence_dim}")
     return t.shape[0], t.shape[3 - sequence_dim], t.shape[sequence_dim], t.shape[3]
 
 
-def _check_tables(cos, sin, x, batch, seq, op: str):
-    """cos and sin: [S, R] or [B, S, R] of q's dtype or float32, one layout for both;
+def _check_tables(cos, sin, x, batch, seq, op: str, x_name: str = "q"):
+    """cos and sin: [S, R] or [B, S, R] of x's dtype or float32, one layout for both;
     returns R."""
     for t, arg in ((cos, "cos"), (sin, "sin")):
-        check_same_device(t, x, op, arg, "q")
+        check_same_device(t, x, op, arg, x_name)
         check(t.dtype == x.dtype or (t.dtype == torch.float32 and x.dtype in HALF_TYPES),
-              lambda: f"{op}: {arg} has dtype {scalar_type_name(t.dtype)}; expected q's dtype "
+              lambda: f"{op}: {arg} has dtype {scalar_type_name(t.dtype)}; expected {x_name}'s dtype "
               f"({scalar_type_name(x.dtype)})" + ("" if x.dtype == torch.float64 else " or float32"))
         check(t.dim() in (2, 3), lambda: f"{op}: {arg} must be [S, R] or [B, S, R], got sizes {sizes(t.shape)}")
-        check(any_of(t.stride(-1) == 1, t.shape[-1] == 1), lambda: f"{op}: {arg} must be contiguous in its last dim")
+        check(any_of(t.stride(-1) == 1, t.shape[-1] <= 1), lambda: f"{op}: {arg} must be contiguous in its last dim")
     check(cos.dtype == sin.dtype and all_of(same_sizes(cos.shape, sin.shape), same_sizes(cos.stride(), sin.stride())),
           lambda: f"{op}: cos and sin must share sizes, strides and dtype, got {sizes(cos.shape)}{sizes(cos.stride())} "
           f"and {sizes(sin.shape)}{sizes(sin.stride())}")
@@ -559,29 +632,33 @@ def _check_outputs_apart(q_out, k_out, q, k, shared, op: str) -> None:
 
 def rope_apply(device, q_out, k_out, q, k, cos, sin, sequence_dim, inverse: bool = False) -> None:
     op = "rope_backward" if inverse else "rope"
-    check_device(q, device, op, "q")
-    check_float_dtype(q, op, "q")
-    batch, _, seq, head_dim = _as_bhsd(q, sequence_dim, op, "q")
-    for t, arg in ((k, "k"), (q_out, "q_out"), (k_out, "k_out")):
-        check_same_device(t, q, op, arg, "q")
-        check(t.dtype == q.dtype, lambda: f"{op}: {arg} has dtype {scalar_type_name(t.dtype)} but q has dtype "
+    q_name, k_name = ("grad_q", "grad_k") if inverse else ("q", "k")  # the op's schema names
+    check_device(q, device, op, q_name)
+    check_float_dtype(q, op, q_name)
+    batch, _, seq, head_dim = _as_bhsd(q, sequence_dim, op, q_name)
+    for t, arg in ((k, k_name), (q_out, "q_out"), (k_out, "k_out")):
+        check_same_device(t, q, op, arg, q_name)
+        check(t.dtype == q.dtype, lambda: f"{op}: {arg} has dtype {scalar_type_name(t.dtype)} but {q_name} has dtype "
               f"{scalar_type_name(q.dtype)}")
-    check(k.dim() == q.dim(), lambda: f"{op}: k has sizes {sizes(k.shape)} but q has sizes {sizes(q.shape)}")
-    k_batch, _, k_seq, k_head_dim = _as_bhsd(k, sequence_dim, op, "k")
+    check(k.dim() == q.dim(), lambda: f"{op}: {k_name} has sizes {sizes(k.shape)} but {q_name} has sizes "
+          f"{sizes(q.shape)}")
+    k_batch, _, k_seq, k_head_dim = _as_bhsd(k, sequence_dim, op, k_name)
     check(all_of(k_batch == batch, k_seq == seq, k_head_dim == head_dim),
-          lambda: f"{op}: k has sizes {sizes(k.shape)} but q has sizes {sizes(q.shape)} (batch, sequence and head dim "
-          "must agree; heads may differ)")
+          lambda: f"{op}: {k_name} has sizes {sizes(k.shape)} but {q_name} has sizes {sizes(q.shape)} (batch, "
+          "sequence and head dim must agree; heads may differ)")
     for t, arg, like, like_arg in ((q_out, "q_out", q, "q"), (k_out, "k_out", k, "k")):
         check(same_sizes(t.shape, like.shape),
               lambda: f"{op}: {arg} has sizes {sizes(t.shape)} but {like_arg} has sizes {sizes(like.shape)}")
-    check_output_overlap(q_out, (q, k, cos, sin), op, "q_out")
-    check_output_overlap(k_out, (q, k, cos, sin), op, "k_out")
+    inputs = ((q, q_name), (k, k_name), (cos, "cos"), (sin, "sin"))
+    check_output_overlap(q_out, inputs, op, "q_out")
+    check_output_overlap(k_out, inputs, op, "k_out")
     check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out")
     _check_outputs_apart(q_out, k_out, q, k, ((cos, "cos"), (sin, "sin")), op)
     _as_bhsd(q_out, sequence_dim, op, "q_out")
     _as_bhsd(k_out, sequence_dim, op, "k_out")
-    rotary_dim = _check_tables(cos, sin, q, batch, seq, op)
-    check(all_of(rotary_dim % 2 == 0, rotary_dim > 0, rotary_dim <= head_dim),
+    rotary_dim = _check_tables(cos, sin, q, batch, seq, op, q_name)
+    # (an empty head dim rotates nothing: empty tables)
+    check(all_of(rotary_dim % 2 == 0, rotary_dim <= head_dim, any_of(rotary_dim > 0, head_dim == 0)),
           lambda: f"{op}: cos's last dim (the rotary dim) must be even and in [2, {head_dim}], got {rotary_dim}")
 
 
@@ -605,13 +682,14 @@ def qk_norm_rope_out(device, q_out, k_out, q, k, q_weight, k_weight, cos, sin, e
         check_same_device(t, q, op, arg, "q")
         check(t.dtype == q.dtype, lambda: f"{op}: {arg} has dtype {scalar_type_name(t.dtype)} but q has dtype "
               f"{scalar_type_name(q.dtype)}")
-        check(t.dim() == 1 and all_of(t.shape[0] == channels, any_of(t.stride(0) == 1, channels == 1)),
+        check(t.dim() == 1 and all_of(t.shape[0] == channels, any_of(t.stride(0) == 1, channels <= 1)),
               lambda: f"{op}: {arg} must be a contiguous [{channels}], got sizes {sizes(t.shape)}")
     check_eps(eps, op)
     rotary_dim = _check_tables(cos, sin, q, batch, seq, op)
     check(rotary_dim == channels, lambda: f"{op}: cos's last dim must be C = {channels}, got {rotary_dim}")
-    check_output_overlap(q_out, (q, k, cos, sin), op, "q_out")
-    check_output_overlap(k_out, (q, k, cos, sin), op, "k_out")
+    inputs = ((q, "q"), (k, "k"), (cos, "cos"), (sin, "sin"))
+    check_output_overlap(q_out, inputs, op, "q_out")
+    check_output_overlap(k_out, inputs, op, "k_out")
     check_disjoint_outputs(q_out, k_out, op, "q_out", "k_out")
     _check_outputs_apart(q_out, k_out, q, k, ((cos, "cos"), (sin, "sin"), (q_weight, "q_weight"),
                                               (k_weight, "k_weight")), op)
