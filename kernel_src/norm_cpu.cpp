@@ -81,12 +81,17 @@ const T* modulation_row(const Modulation& m, int64_t batch, int64_t token) {
                           : static_cast<const T*>(m.ptr) + batch * m.batch_stride + token * m.token_stride;
 }
 
+// A row's passes each do one thing over the row held in fp32 (double), with no branch
+// inside a loop, so that GCC vectorises every one at -O3 on baseline x86-64: bf16 <-> fp32
+// conversions are shifts and selects there (fp16's stay scalar calls without F16C). The
+// arithmetic per element is the same as one fused loop's.
 template <typename T, typename W, typename O>
 void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
   using A = acc_t<T>;
   const int64_t n = a.cols;
   const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
-  std::vector<A> v(n);  // the row in fp32 (double), after the residual add
+  std::vector<A> buffer(n);                     // the row after the residual add, then y
+  A* __restrict v = buffer.data();
   for (int64_t r = begin; r < end; ++r) {
     const int64_t batch = r / a.tokens;
     const int64_t token = r - batch * a.tokens;
@@ -94,10 +99,14 @@ void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
     const T* res = row_of<T>(a.residual, r, a.residual_stride);
     const T* gate = modulation_row<T>(a.gate, batch, token);
     if (res != nullptr) {
+      if (gate != nullptr) {
+        for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(res[k]) + static_cast<A>(x[k]) * static_cast<A>(gate[k]);
+      } else {
+        for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(res[k]) + static_cast<A>(x[k]);
+      }
       T* res_out = static_cast<T*>(a.residual_out) + r * a.residual_out_stride;
-      for (int64_t k = 0; k < n; ++k) {
-        const A g = gate != nullptr ? static_cast<A>(gate[k]) : A(1);
-        const T s = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]) * g);
+      for (int64_t k = 0; k < n; ++k) {  // the sum rounded to the dtype, stored and normed
+        const T s = static_cast<T>(v[k]);
         res_out[k] = s;
         v[k] = static_cast<A>(s);
       }
@@ -107,21 +116,24 @@ void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
     if (!a.normed) continue;  // the gated residual alone
 
     A mean = 0;
-    if (a.kind == NormKind::kLayer) mean = row_mean<A>(v.data(), n, inv_cols);
-    const A rstd = A(1) / std::sqrt(sum_of<A>(v.data(), n, mean, true) * inv_cols + a.eps);
+    if (a.kind == NormKind::kLayer) mean = row_mean<A>(v, n, inv_cols);
+    const A rstd = A(1) / std::sqrt(sum_of<A>(v, n, mean, true) * inv_cols + a.eps);
     if (a.stats != nullptr) a.stats[2 * r] = static_cast<float>(mean), a.stats[2 * r + 1] = static_cast<float>(rstd);
 
-    const W* w = static_cast<const W*>(a.weight);
-    const T* scale = modulation_row<T>(a.scale, batch, token);
-    const T* shift = modulation_row<T>(a.shift, batch, token);
-    O* y = static_cast<O*>(a.out) + r * a.out_stride;
-    for (int64_t k = 0; k < n; ++k) {
-      A f = (v[k] - mean) * rstd;
-      if (a.cast_before_weight) f = static_cast<A>(static_cast<T>(f));
-      if (w != nullptr) f *= a.weight_offset + static_cast<A>(w[k]);
-      if (scale != nullptr) f = f * (1 + static_cast<A>(scale[k])) + static_cast<A>(shift[k]);
-      y[k] = static_cast<O>(f);
+    for (int64_t k = 0; k < n; ++k) v[k] = (v[k] - mean) * rstd;
+    if (a.cast_before_weight) {
+      for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(static_cast<T>(v[k]));
     }
+    if (const W* w = static_cast<const W*>(a.weight); w != nullptr) {
+      const A offset = a.weight_offset;
+      for (int64_t k = 0; k < n; ++k) v[k] *= offset + static_cast<A>(w[k]);
+    }
+    if (const T* scale = modulation_row<T>(a.scale, batch, token); scale != nullptr) {
+      const T* shift = modulation_row<T>(a.shift, batch, token);
+      for (int64_t k = 0; k < n; ++k) v[k] = v[k] * (1 + static_cast<A>(scale[k])) + static_cast<A>(shift[k]);
+    }
+    O* y = static_cast<O*>(a.out) + r * a.out_stride;
+    for (int64_t k = 0; k < n; ++k) y[k] = static_cast<O>(v[k]);
   }
 }
 
