@@ -81,16 +81,48 @@ const T* modulation_row(const Modulation& m, int64_t batch, int64_t token) {
                           : static_cast<const T*>(m.ptr) + batch * m.batch_stride + token * m.token_stride;
 }
 
-// A row's passes each do one thing over the row held in fp32 (double), with no branch
-// inside a loop, so that GCC vectorises every one at -O3 on baseline x86-64: bf16 <-> fp32
-// conversions are shifts and selects there (fp16's stay scalar calls without F16C). The
-// arithmetic per element is the same as one fused loop's.
+// The row's passes have no branch inside a loop, so that GCC vectorises each at -O3 on
+// baseline x86-64 (bf16 <-> fp32 conversions are shifts and selects there; fp16's stay
+// scalar calls without F16C): the row into fp32 (double) with the residual add, its sums,
+// and one pass that writes y, built for the steps a call takes (the rounding before the
+// weight, the weight, the modulation) so that it tests none of them per element.
+template <typename T, typename W, typename O, bool kCast, bool kWeight, bool kModulate, typename A = acc_t<T>>
+void write_normed(const NormArgs& a, const A* v, A mean, A rstd, int64_t row, int64_t batch,
+                  int64_t token) {
+  const W* w = static_cast<const W*>(a.weight);
+  const A offset = a.weight_offset;
+  const T* scale = modulation_row<T>(a.scale, batch, token);
+  const T* shift = modulation_row<T>(a.shift, batch, token);
+  O* y = static_cast<O*>(a.out) + row * a.out_stride;
+  for (int64_t k = 0; k < a.cols; ++k) {
+    A f = (v[k] - mean) * rstd;
+    if constexpr (kCast) f = static_cast<A>(static_cast<T>(f));
+    if constexpr (kWeight) f *= offset + static_cast<A>(w[k]);
+    if constexpr (kModulate) f = f * (1 + static_cast<A>(scale[k])) + static_cast<A>(shift[k]);
+    y[k] = static_cast<O>(f);
+  }
+}
+
+template <typename T, typename W, typename O, typename A = acc_t<T>>
+using NormWriter = void (*)(const NormArgs&, const A*, A, A, int64_t, int64_t, int64_t);
+
 template <typename T, typename W, typename O>
-void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
+NormWriter<T, W, O> normed_writer(const NormArgs& a) {
+  const bool cast = a.cast_before_weight, weight = a.weight != nullptr, modulate = a.scale.ptr != nullptr;
+  if (modulate) {
+    return weight ? cast ? write_normed<T, W, O, true, true, true> : write_normed<T, W, O, false, true, true>
+                  : cast ? write_normed<T, W, O, true, false, true> : write_normed<T, W, O, false, false, true>;
+  }
+  return weight ? cast ? write_normed<T, W, O, true, true, false> : write_normed<T, W, O, false, true, false>
+                : cast ? write_normed<T, W, O, true, false, false> : write_normed<T, W, O, false, false, false>;
+}
+
+template <typename T, typename W, typename O>
+void norm_rows(const NormArgs& a, NormWriter<T, W, O> write, int64_t begin, int64_t end) {
   using A = acc_t<T>;
   const int64_t n = a.cols;
   const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
-  std::vector<A> buffer(n);                     // the row after the residual add, then y
+  std::vector<A> buffer(n);                     // the row in fp32 (double), after the residual add
   A* __restrict v = buffer.data();
   for (int64_t r = begin; r < end; ++r) {
     const int64_t batch = r / a.tokens;
@@ -98,42 +130,34 @@ void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
     const T* x = row_of<T>(a.input, r, a.input_stride);
     const T* res = row_of<T>(a.residual, r, a.residual_stride);
     const T* gate = modulation_row<T>(a.gate, batch, token);
-    if (res != nullptr) {
-      if (gate != nullptr) {
-        for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(res[k]) + static_cast<A>(x[k]) * static_cast<A>(gate[k]);
-      } else {
-        for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(res[k]) + static_cast<A>(x[k]);
-      }
+    const A* row = v;
+    if (res != nullptr) {  // the sum rounded to the dtype, stored and normed
       T* res_out = static_cast<T*>(a.residual_out) + r * a.residual_out_stride;
-      for (int64_t k = 0; k < n; ++k) {  // the sum rounded to the dtype, stored and normed
-        const T s = static_cast<T>(v[k]);
-        res_out[k] = s;
-        v[k] = static_cast<A>(s);
+      if (gate != nullptr) {
+        for (int64_t k = 0; k < n; ++k) {
+          const T s = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]) * static_cast<A>(gate[k]));
+          res_out[k] = s;
+          v[k] = static_cast<A>(s);
+        }
+      } else {
+        for (int64_t k = 0; k < n; ++k) {
+          const T s = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]));
+          res_out[k] = s;
+          v[k] = static_cast<A>(s);
+        }
       }
+    } else if constexpr (std::is_same_v<T, A>) {
+      row = x;  // fp32 (double) rows are read as they are
     } else {
       for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(x[k]);
     }
     if (!a.normed) continue;  // the gated residual alone
 
     A mean = 0;
-    if (a.kind == NormKind::kLayer) mean = row_mean<A>(v, n, inv_cols);
-    const A rstd = A(1) / std::sqrt(sum_of<A>(v, n, mean, true) * inv_cols + a.eps);
+    if (a.kind == NormKind::kLayer) mean = row_mean<A>(row, n, inv_cols);
+    const A rstd = A(1) / std::sqrt(sum_of<A>(row, n, mean, true) * inv_cols + a.eps);
     if (a.stats != nullptr) a.stats[2 * r] = static_cast<float>(mean), a.stats[2 * r + 1] = static_cast<float>(rstd);
-
-    for (int64_t k = 0; k < n; ++k) v[k] = (v[k] - mean) * rstd;
-    if (a.cast_before_weight) {
-      for (int64_t k = 0; k < n; ++k) v[k] = static_cast<A>(static_cast<T>(v[k]));
-    }
-    if (const W* w = static_cast<const W*>(a.weight); w != nullptr) {
-      const A offset = a.weight_offset;
-      for (int64_t k = 0; k < n; ++k) v[k] *= offset + static_cast<A>(w[k]);
-    }
-    if (const T* scale = modulation_row<T>(a.scale, batch, token); scale != nullptr) {
-      const T* shift = modulation_row<T>(a.shift, batch, token);
-      for (int64_t k = 0; k < n; ++k) v[k] = v[k] * (1 + static_cast<A>(scale[k])) + static_cast<A>(shift[k]);
-    }
-    O* y = static_cast<O*>(a.out) + r * a.out_stride;
-    for (int64_t k = 0; k < n; ++k) y[k] = static_cast<O>(v[k]);
+    write(a, row, mean, rstd, r, batch, token);
   }
 }
 
@@ -141,7 +165,8 @@ template <typename T, typename W, typename O>
 void run(const NormArgs& a) {
   // About 32k elements per task: enough work to amortise a thread hand-off.
   const int64_t grain = std::max<int64_t>(1, 32768 / a.cols);
-  at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) { norm_rows<T, W, O>(a, begin, end); });
+  const NormWriter<T, W, O> write = normed_writer<T, W, O>(a);
+  at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) { norm_rows<T, W, O>(a, write, begin, end); });
 }
 
 // Rows per column-sum chunk. Fixed, not derived from the thread count, so that the
