@@ -32,6 +32,15 @@ inline double gelu_tanh_grad(double x) {
 
 namespace {
 
+// Each row pass is built for baseline x86-64 and for AVX2, and the loader picks the one the
+// CPU runs (GCC's target_clones): the library still runs on any x86-64, and AVX2's wider
+// vectors, without FMA, compute the same bits.
+#if defined(__x86_64__)
+#define LTX_ROW_PASS __attribute__((target_clones("avx2", "default")))
+#else
+#define LTX_ROW_PASS
+#endif
+
 template <Gelu GELU, typename A>
 A gelu(A x) {
   return GELU == Gelu::kTanh ? gelu_tanh(x) : gelu_erf(x);
@@ -49,7 +58,7 @@ constexpr int64_t kChunk = 1024;
 // that alias nothing (out may be the gate itself), so that GCC vectorises every one; the
 // arithmetic per element is the same as one fused loop's.
 template <typename T, Gelu GELU, typename A = acc_t<T>>
-void forward_chunk(const T* g, const T* u, T* y, int64_t m, A* __restrict f) {
+LTX_ROW_PASS void forward_chunk(const T* g, const T* u, T* y, int64_t m, A* __restrict f) {
   for (int64_t i = 0; i < m; ++i) f[i] = gelu<GELU>(static_cast<A>(g[i]));
   if (u != nullptr) {
     for (int64_t i = 0; i < m; ++i) f[i] *= static_cast<A>(u[i]);
@@ -59,7 +68,7 @@ void forward_chunk(const T* g, const T* u, T* y, int64_t m, A* __restrict f) {
 
 // dgate = dy * up * gelu'(x) (written to y), dup = dy * gelu(x).
 template <typename T, Gelu GELU, typename A = acc_t<T>>
-void backward_chunk(const T* g, const T* u, const T* dy, T* y, T* du, int64_t m, A* __restrict d,
+LTX_ROW_PASS void backward_chunk(const T* g, const T* u, const T* dy, T* y, T* du, int64_t m, A* __restrict d,
                     A* __restrict f) {
   for (int64_t i = 0; i < m; ++i) d[i] = static_cast<A>(dy[i]);
   if (du != nullptr) {

@@ -15,6 +15,16 @@
 namespace ltx {
 namespace {
 
+// Each row pass is built for baseline x86-64 and for AVX2, and the loader picks the one the
+// CPU runs (GCC's target_clones): the library still runs on any x86-64, and AVX2's wider
+// vectors, without FMA, compute the same bits.
+#if defined(__x86_64__)
+#define LTX_ROW_PASS __attribute__((target_clones("avx2", "default")))
+#else
+#define LTX_ROW_PASS
+#endif
+// What a row pass calls is inlined into it, and so built for its target too.
+
 // Independent partial sums so that the compiler can vectorise the reduction without
 // reassociating one running sum.
 constexpr int64_t kLanes = 16;
@@ -25,7 +35,7 @@ constexpr int64_t kBlock = 64 * kLanes;
 // sum += term, carrying the rounding error in `compensation` (Kahan). An infinite sum
 // carries none: inf - inf would turn the next block's sum into NaN.
 template <typename A>
-void add_compensated(A& sum, A& compensation, A term) {
+[[gnu::always_inline]] inline void add_compensated(A& sum, A& compensation, A term) {
   const A y = term - compensation;
   const A t = sum + y;
   compensation = std::isfinite(t) ? (t - sum) - y : A(0);
@@ -34,7 +44,7 @@ void add_compensated(A& sum, A& compensation, A term) {
 
 // Sum over j < n of term(j), in blocks of lanes (see kBlock).
 template <typename A, typename Term>
-A blocked_sum(int64_t n, Term term) {
+[[gnu::always_inline]] inline A blocked_sum(int64_t n, Term term) {
   A sum = 0, compensation = 0;
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t end = std::min(start + kBlock, n);
@@ -52,13 +62,13 @@ A blocked_sum(int64_t n, Term term) {
 }
 
 template <typename A>
-A sum_of(const A* v, int64_t n, A shift, bool square) {
+[[gnu::always_inline]] inline A sum_of(const A* v, int64_t n, A shift, bool square) {
   return square ? blocked_sum<A>(n, [&](int64_t j) { const A f = v[j] - shift; return f * f; })
                 : blocked_sum<A>(n, [&](int64_t j) { return v[j] - shift; });
 }
 
 template <typename A>
-A dot(const A* a, const A* b, int64_t n) {
+[[gnu::always_inline]] inline A dot(const A* a, const A* b, int64_t n) {
   return blocked_sum<A>(n, [&](int64_t j) { return a[j] * b[j]; });
 }
 
@@ -66,7 +76,7 @@ A dot(const A* a, const A* b, int64_t n) {
 // for a constant row (whose centred values are then exactly 0, as PyTorch's), and with
 // less cancellation than a plain sum where the row sits far from 0.
 template <typename A>
-A row_mean(const A* v, int64_t n, A inv_cols) {
+[[gnu::always_inline]] inline A row_mean(const A* v, int64_t n, A inv_cols) {
   return v[0] + sum_of<A>(v, n, v[0], false) * inv_cols;
 }
 
@@ -87,7 +97,7 @@ const T* modulation_row(const Modulation& m, int64_t batch, int64_t token) {
 // and one pass that writes y, built for the steps a call takes (the rounding before the
 // weight, the weight, the modulation) so that it tests none of them per element.
 template <typename T, typename W, typename O, bool kCast, bool kWeight, bool kModulate, typename A = acc_t<T>>
-void write_normed(const NormArgs& a, const A* v, A mean, A rstd, int64_t row, int64_t batch,
+LTX_ROW_PASS void write_normed(const NormArgs& a, const A* v, A mean, A rstd, int64_t row, int64_t batch,
                   int64_t token) {
   const W* w = static_cast<const W*>(a.weight);
   const A offset = a.weight_offset;
@@ -118,7 +128,7 @@ NormWriter<T, W, O> normed_writer(const NormArgs& a) {
 }
 
 template <typename T, typename W, typename O>
-void norm_rows(const NormArgs& a, NormWriter<T, W, O> write, int64_t begin, int64_t end) {
+LTX_ROW_PASS void norm_rows(const NormArgs& a, NormWriter<T, W, O> write, int64_t begin, int64_t end) {
   using A = acc_t<T>;
   const int64_t n = a.cols;
   const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
@@ -176,7 +186,7 @@ constexpr int64_t kChunkRows = 64;
 // Rows [begin, end) of the backward (see NormBackwardArgs); column grads are added to
 // factor_acc / shift_acc / gate_acc ([cols] each, or nullptr).
 template <typename T, typename W, typename G, typename A = acc_t<T>>
-void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A* factor_acc, A* shift_acc,
+LTX_ROW_PASS void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A* factor_acc, A* shift_acc,
                         A* gate_acc) {
   const int64_t n = a.cols;
   const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32

@@ -11,18 +11,28 @@
 namespace ltx {
 namespace {
 
+// Each row pass is built for baseline x86-64 and for AVX2, and the loader picks the one the
+// CPU runs (GCC's target_clones): the library still runs on any x86-64, and AVX2's wider
+// vectors, without FMA, compute the same bits.
+#if defined(__x86_64__)
+#define LTX_ROW_PASS __attribute__((target_clones("avx2", "default")))
+#else
+#define LTX_ROW_PASS
+#endif
+// What a row pass calls is inlined into it, and so built for its target too.
+
 // The rotation in passes over fp32 (double) buffers, one operation per pass and no branch
 // inside a loop, so that GCC vectorises each at -O3 on baseline x86-64 (with the stride, 1
 // or 2, known at compile time). The pairs are (first + i S, second + i S): rotate-half
 // (0, R/2; S = 1) or interleaved (0, 1; S = 2).
 template <int64_t S, typename A, typename In>
-void load_strided(A* __restrict x, const In* in, int64_t n) {
+[[gnu::always_inline]] inline void load_strided(A* __restrict x, const In* in, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<A>(in[i * S]);
 }
 
 // y[i S] = a[i] cos[i S] + b[i] (sign sin[i S]): sign * sin is sin or its exact negation.
 template <int64_t S, typename T, typename C, typename A>
-void rotate_pass(T* y, const A* __restrict a, const A* __restrict b, const C* cos, const C* sin, A sign, int64_t n) {
+[[gnu::always_inline]] inline void rotate_pass(T* y, const A* __restrict a, const A* __restrict b, const C* cos, const C* sin, A sign, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     y[i * S] = static_cast<T>(a[i] * static_cast<A>(cos[i * S]) + b[i] * (sign * static_cast<A>(sin[i * S])));
   }
@@ -32,7 +42,7 @@ void rotate_pass(T* y, const A* __restrict a, const A* __restrict b, const C* co
 // sines (sin[first], sin[second]), or for the inverse (the backward) swapped and negated.
 // `out` may be `in`: the pairs are read into x0 and x1 before anything is written.
 template <int64_t S, typename T, typename C, typename A, typename In>
-void rotate_pairs(const In* in, T* out, const C* cos, const C* sin, int64_t first, int64_t second, int64_t n,
+[[gnu::always_inline]] inline void rotate_pairs(const In* in, T* out, const C* cos, const C* sin, int64_t first, int64_t second, int64_t n,
                   bool inverse, A* x0, A* x1) {
   load_strided<S>(x0, in + first, n);
   load_strided<S>(x1, in + second, n);
@@ -42,7 +52,7 @@ void rotate_pairs(const In* in, T* out, const C* cos, const C* sin, int64_t firs
 }
 
 template <typename T, typename C>
-void rotate_rows(const RopeArgs& a, const RopeTensor& t, int64_t begin, int64_t end) {
+LTX_ROW_PASS void rotate_rows(const RopeArgs& a, const RopeTensor& t, int64_t begin, int64_t end) {
   using A = acc_t<T>;
   const T* in_base = static_cast<const T*>(t.in);
   T* out_base = static_cast<T*>(t.out);
@@ -82,7 +92,7 @@ void run(const RopeArgs& a) {
 constexpr int64_t kLanes = 8;
 
 template <typename T, typename C>
-void qk_norm_rope_rows(const QkNormRopeArgs& a, bool is_q, int64_t begin, int64_t end) {
+LTX_ROW_PASS void qk_norm_rope_rows(const QkNormRopeArgs& a, bool is_q, int64_t begin, int64_t end) {
   using A = acc_t<T>;
   const int64_t n = a.channels;
   const A inv_channels = A(1) / static_cast<A>(n);  // a.inv_channels in fp32
