@@ -145,15 +145,13 @@ LTX_ROW_PASS void norm_rows(const NormArgs& a, NormWriter<T, W, O> write, int64_
       T* res_out = static_cast<T*>(a.residual_out) + r * a.residual_out_stride;
       if (gate != nullptr) {
         for (int64_t k = 0; k < n; ++k) {
-          const T s = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]) * static_cast<A>(gate[k]));
-          res_out[k] = s;
-          v[k] = static_cast<A>(s);
+          res_out[k] = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]) * static_cast<A>(gate[k]));
+          v[k] = static_cast<A>(res_out[k]);  // a T temporary, copied, would keep the loop scalar
         }
       } else {
         for (int64_t k = 0; k < n; ++k) {
-          const T s = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]));
-          res_out[k] = s;
-          v[k] = static_cast<A>(s);
+          res_out[k] = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]));
+          v[k] = static_cast<A>(res_out[k]);
         }
       }
     } else if constexpr (std::is_same_v<T, A>) {
@@ -184,14 +182,21 @@ void run(const NormArgs& a) {
 constexpr int64_t kChunkRows = 64;
 
 // Rows [begin, end) of the backward (see NormBackwardArgs); column grads are added to
-// factor_acc / shift_acc / gate_acc ([cols] each, or nullptr).
+// factor_acc / shift_acc / gate_acc ([cols] each, or nullptr). As in the forward, each
+// pass over the row does one thing without a branch inside, so that it vectorises; the
+// arithmetic per element is that of one fused loop.
 template <typename T, typename W, typename G, typename A = acc_t<T>>
-LTX_ROW_PASS void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A* factor_acc, A* shift_acc,
-                        A* gate_acc) {
+LTX_ROW_PASS void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, int64_t end, A* factor_acc,
+                                     A* shift_acc, A* gate_acc) {
   const int64_t n = a.cols;
   const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
-  std::vector<A> centred(n), dy(n), dn(n);
+  std::vector<A> buffers(4 * n);
+  A* __restrict centred = buffers.data();  // x - mean, then the normed row
+  A* __restrict dy = centred + n;
+  A* __restrict dn = dy + n;  // dy times the row's factor
+  A* __restrict d = dn + n;   // dx before its rounding
   const W* w = static_cast<const W*>(a.weight);
+  const A offset = a.factor_offset;
   for (int64_t r = begin; r < end; ++r) {
     const int64_t batch = r / a.tokens;
     const int64_t token = r - batch * a.tokens;
@@ -199,52 +204,69 @@ LTX_ROW_PASS void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, i
     const G* g = row_of<G>(a.grad_out, r, a.grad_out_stride);
     const T* extra = row_of<T>(a.grad_extra, r, a.grad_extra_stride);
     const T* scale = modulation_row<T>(a.scale, batch, token);
-    for (int64_t k = 0; k < n; ++k) {
-      centred[k] = static_cast<A>(x[k]);
-      dy[k] = static_cast<A>(g[k]);
-      A factor = 1;
-      if (w != nullptr) factor = a.factor_offset + static_cast<A>(w[k]);
-      if (scale != nullptr) factor = a.factor_offset + static_cast<A>(scale[k]);
-      dn[k] = dy[k] * factor;
+    for (int64_t k = 0; k < n; ++k) centred[k] = static_cast<A>(x[k]);
+    for (int64_t k = 0; k < n; ++k) dy[k] = static_cast<A>(g[k]);
+    if (scale != nullptr) {  // the scale is the factor where there is one, else the weight, else 1
+      for (int64_t k = 0; k < n; ++k) dn[k] = dy[k] * (offset + static_cast<A>(scale[k]));
+    } else if (w != nullptr) {
+      for (int64_t k = 0; k < n; ++k) dn[k] = dy[k] * (offset + static_cast<A>(w[k]));
+    } else {
+      for (int64_t k = 0; k < n; ++k) dn[k] = dy[k];
     }
     const bool layer = a.kind == NormKind::kLayer;
     const bool normed_row = a.normed;  // else the gated residual alone: n = x, dx = dn
     // The forward's statistics (fp32), or computed here: float64 rows always recompute, as
     // fp32 statistics would leave their grads fp32-accurate.
     const float* saved = a.stats != nullptr && !std::is_same_v<A, double> ? a.stats + 2 * r : nullptr;
-    const A mean = saved != nullptr ? saved[0] : layer ? row_mean<A>(centred.data(), n, inv_cols) : 0;
+    const A mean = saved != nullptr ? saved[0] : layer ? row_mean<A>(centred, n, inv_cols) : 0;
     for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
     const A rstd = saved != nullptr ? saved[1]
-                   : normed_row ? A(1) / std::sqrt(sum_of<A>(centred.data(), n, 0, true) * inv_cols + a.eps)
+                   : normed_row ? A(1) / std::sqrt(sum_of<A>(centred, n, 0, true) * inv_cols + a.eps)
                                 : A(1);
-    const A mean_dn_n = normed_row ? dot(dn.data(), centred.data(), n) * rstd * inv_cols : 0;
-    const A mean_dn = layer ? sum_of<A>(dn.data(), n, 0, false) * inv_cols : 0;
+    const A mean_dn_n = normed_row ? dot(dn, centred, n) * rstd * inv_cols : 0;
+    const A mean_dn = layer ? sum_of<A>(dn, n, 0, false) * inv_cols : 0;
 
+    if (normed_row) {
+      for (int64_t k = 0; k < n; ++k) d[k] = rstd * (dn[k] - mean_dn - centred[k] * rstd * mean_dn_n);
+    } else {  // dn as is: an infinite x times a zero mean_dn_n would make it NaN
+      for (int64_t k = 0; k < n; ++k) d[k] = dn[k];
+    }
+    if (extra != nullptr) {
+      for (int64_t k = 0; k < n; ++k) d[k] += static_cast<A>(extra[k]);
+    }
     T* dx = static_cast<T*>(a.grad_input) + r * n;
-    T* factor_row = a.factor_rows != nullptr ? static_cast<T*>(a.factor_rows) + r * n : nullptr;
-    T* shift_row = a.shift_rows != nullptr ? static_cast<T*>(a.shift_rows) + r * n : nullptr;
-    const T* gate = modulation_row<T>(a.gate, batch, token);
-    const T* gated = row_of<T>(a.gate_input, r, a.gate_input_stride);
-    T* gated_grad = gate != nullptr ? static_cast<T*>(a.gate_input_grad) + r * n : nullptr;
-    T* gate_row = a.gate_rows != nullptr ? static_cast<T*>(a.gate_rows) + r * n : nullptr;
-    for (int64_t k = 0; k < n; ++k) {
-      A normed = centred[k] * rstd;
-      // Without a norm, dn as is: an infinite x times a zero mean_dn_n would make it NaN.
-      A d = normed_row ? rstd * (dn[k] - mean_dn - normed * mean_dn_n) : dn[k];
-      if (extra != nullptr) d += static_cast<A>(extra[k]);
-      dx[k] = static_cast<T>(d);
-      if (gate != nullptr) {  // from dx as stored, as gated_residual_backward would read it
-        const A dr = static_cast<A>(dx[k]);
-        gated_grad[k] = static_cast<T>(dr * static_cast<A>(gate[k]));
-        const A dr_x = dr * static_cast<A>(gated[k]);
-        if (gate_row != nullptr) gate_row[k] = static_cast<T>(dr_x);
-        if (gate_acc != nullptr) gate_acc[k] += dr_x;
+    for (int64_t k = 0; k < n; ++k) dx[k] = static_cast<T>(d[k]);
+    if (const T* gate = modulation_row<T>(a.gate, batch, token); gate != nullptr) {
+      // from dx as stored, as gated_residual_backward would read it
+      const T* gated = row_of<T>(a.gate_input, r, a.gate_input_stride);
+      T* gated_grad = static_cast<T*>(a.gate_input_grad) + r * n;
+      for (int64_t k = 0; k < n; ++k) gated_grad[k] = static_cast<T>(static_cast<A>(dx[k]) * static_cast<A>(gate[k]));
+      for (int64_t k = 0; k < n; ++k) d[k] = static_cast<A>(dx[k]) * static_cast<A>(gated[k]);  // dr * x
+      if (a.gate_rows != nullptr) {
+        T* gate_row = static_cast<T*>(a.gate_rows) + r * n;
+        for (int64_t k = 0; k < n; ++k) gate_row[k] = static_cast<T>(d[k]);
       }
-      if (a.cast_before_weight) normed = static_cast<A>(static_cast<T>(normed));
-      if (factor_row != nullptr) factor_row[k] = static_cast<T>(dy[k] * normed);
-      if (factor_acc != nullptr) factor_acc[k] += dy[k] * normed;
-      if (shift_row != nullptr) shift_row[k] = static_cast<T>(dy[k]);
-      if (shift_acc != nullptr) shift_acc[k] += dy[k];
+      if (gate_acc != nullptr) {
+        for (int64_t k = 0; k < n; ++k) gate_acc[k] += d[k];
+      }
+    }
+    for (int64_t k = 0; k < n; ++k) centred[k] *= rstd;  // the normed row
+    if (a.cast_before_weight) {
+      for (int64_t k = 0; k < n; ++k) centred[k] = static_cast<A>(static_cast<T>(centred[k]));
+    }
+    if (a.factor_rows != nullptr) {
+      T* factor_row = static_cast<T*>(a.factor_rows) + r * n;
+      for (int64_t k = 0; k < n; ++k) factor_row[k] = static_cast<T>(dy[k] * centred[k]);
+    }
+    if (factor_acc != nullptr) {
+      for (int64_t k = 0; k < n; ++k) factor_acc[k] += dy[k] * centred[k];
+    }
+    if (a.shift_rows != nullptr) {
+      T* shift_row = static_cast<T*>(a.shift_rows) + r * n;
+      for (int64_t k = 0; k < n; ++k) shift_row[k] = static_cast<T>(dy[k]);
+    }
+    if (shift_acc != nullptr) {
+      for (int64_t k = 0; k < n; ++k) shift_acc[k] += dy[k];
     }
   }
 }
