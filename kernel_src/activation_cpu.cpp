@@ -1,7 +1,6 @@
 // The GELU family on the CPU: the twin of activation.cu, same fp32 formulas and one
 // rounding, rows spread over threads; float64 tensors take the exact formulas in double.
-#include <ATen/Parallel.h>
-
+#include "cpu_parallel.h"
 #include "activation.h"
 #include "activation_math.h"
 
@@ -92,7 +91,7 @@ void run(const ActivationArgs& a) {
   T* out = static_cast<T*>(a.out);
   T* up_grad = static_cast<T*>(a.up_grad);
   const int64_t grain = std::max<int64_t>(1, 32768 / a.cols);
-  at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
+  parallel_rows(0, a.rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<A> buffers(2 * kChunk);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t k = 0; k < a.cols; k += kChunk) {

@@ -1,8 +1,7 @@
 // The norm family on the CPU: the twin of norm_forward.cu and norm_backward.cu, same math
 // and roundings (fp32 accumulation, the residual sum rounded to the input dtype, one
 // rounding at the end; float64 tensors in double), rows spread over threads.
-#include <ATen/Parallel.h>
-
+#include "cpu_parallel.h"
 #include "norm.h"
 
 #include <algorithm>
@@ -174,7 +173,7 @@ void run(const NormArgs& a) {
   // About 32k elements per task: enough work to amortise a thread hand-off.
   const int64_t grain = std::max<int64_t>(1, 32768 / a.cols);
   const NormWriter<T, W, O> write = normed_writer<T, W, O>(a);
-  at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) { norm_rows<T, W, O>(a, write, begin, end); });
+  parallel_rows(0, a.rows, grain, [&](int64_t begin, int64_t end) { norm_rows<T, W, O>(a, write, begin, end); });
 }
 
 // Rows per column-sum chunk. Fixed, not derived from the thread count, so that the
@@ -281,7 +280,7 @@ void run_backward(const NormBackwardArgs& a) {
   std::vector<A> shift_partial(a.shift_sums != nullptr ? groups * chunks * n : 0);
   std::vector<A> gate_partial(a.gate_sums != nullptr ? groups * chunks * n : 0);
   auto partial_row = [&](std::vector<A>& p, int64_t chunk) { return p.empty() ? nullptr : p.data() + chunk * n; };
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_rows(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t group = c / chunks;
       const int64_t first = group * a.group_rows + (c - group * chunks) * kChunkRows;

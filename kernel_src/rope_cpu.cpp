@@ -1,7 +1,6 @@
 // RoPE on the CPU: the twin of rope.cu, same fp32 formulas (double for float64 tensors)
 // and one rounding; rows of q and k spread over threads.
-#include <ATen/Parallel.h>
-
+#include "cpu_parallel.h"
 #include "rope.h"
 
 #include <algorithm>
@@ -82,7 +81,7 @@ template <typename T, typename C>
 void run(const RopeArgs& a) {
   const int64_t grain = std::max<int64_t>(1, 16384 / a.head_dim);
   for (const RopeTensor* t : {&a.q, &a.k}) {
-    at::parallel_for(0, a.batch * t->heads * a.seq, grain,
+    parallel_rows(0, a.batch * t->heads * a.seq, grain,
                      [&](int64_t begin, int64_t end) { rotate_rows<T, C>(a, *t, begin, end); });
   }
 }
@@ -126,7 +125,7 @@ template <typename T, typename C>
 void run_qk_norm_rope(const QkNormRopeArgs& a) {
   const int64_t grain = std::max<int64_t>(1, 16384 / a.channels);
   for (bool is_q : {true, false}) {
-    at::parallel_for(0, a.batch * a.seq, grain,
+    parallel_rows(0, a.batch * a.seq, grain,
                      [&](int64_t begin, int64_t end) { qk_norm_rope_rows<T, C>(a, is_q, begin, end); });
   }
 }
