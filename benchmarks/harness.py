@@ -9,12 +9,13 @@
   (launch and dispatch included, as a caller sees it), median over batches;
 - bandwidth: bytes a call must move (each input read once, each output written once)
   over kernel time, and that as a share of a device-to-device copy measured here;
-- on the CPU (the smoke run) only eager wall time, to prove the script runs.
+- on the CPU only wall time: the implementations of a case in interleaved rounds, median
+  (the smoke run: few rounds, to prove the script runs; the CPU sweep: many).
 """
 
 import statistics
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -101,6 +102,30 @@ def same_size_copy_us(nbytes: int) -> float:
     # mul by one is PyTorch's vectorized elementwise kernel; a copy_ in a graph becomes a
     # memcpy node, which runs slower (see copy_bandwidth_gbs)
     return graph_time_us([lambda s=sources[i % len(sources)]: torch.mul(s, 1) for i in range(calls)])
+
+
+def cpu_times_us(calls: Dict[str, Callable[[], object]], rounds: int = 5, min_batch_us: float = 0.0) -> Dict[str, float]:
+    """Median wall time of one call of each callable on the CPU, over interleaved rounds: a
+    round times every callable once, in an order that rotates from round to round, so that
+    a load that comes and goes on a shared machine weighs on each alike. A callable faster
+    than min_batch_us runs that many times in a row within a round (its batch; the round's
+    time is the batch's mean), so that timer resolution and call jitter stay small."""
+    batch = {}
+    for name, call in calls.items():
+        call()  # warm-up: first-call allocations and lazy initialisation stay out
+        start = time.perf_counter()
+        call()
+        once_us = (time.perf_counter() - start) * 1e6
+        batch[name] = max(1, int(min_batch_us / max(once_us, 1e-3)))
+    names = list(calls)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(rounds if names else 0):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            for _ in range(batch[name]):
+                calls[name]()
+            times[name].append((time.perf_counter() - start) * 1e6 / batch[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def cpu_time_us(call: Callable[[], object], repeats: int = 5) -> float:
