@@ -580,14 +580,6 @@ class Timing:
     cpu_rounds: int = 5
     cpu_batch_us: float = 0.0
 
-    def copies(self, input_bytes: int) -> int:
-        copies = harness.copies_for_cold_l2(input_bytes)
-        return copies if self.max_copies is None else min(copies, self.max_copies)
-
-    def calls(self, copies: int, nbytes: int) -> int:
-        calls = harness.calls_per_graph(copies, nbytes)
-        return calls if self.max_calls is None else max(copies, min(calls, self.max_calls))
-
 
 class Runner:
     """Times the cases and keeps the rows: results, skips, and the table lines."""
@@ -632,11 +624,11 @@ class Runner:
     def run_case(self, case: Case) -> List[dict]:
         """A row per implementation: its timings, or why it was skipped."""
         sets = [case.inputs()]
-        copies = self.timing.copies(size_of(sets[0])) if self.on_cuda else 1
+        copies = harness.copies_for_cold_l2(size_of(sets[0]), self.timing.max_copies) if self.on_cuda else 1
         sets += [case.inputs() for _ in range(copies - 1)]
         expected = case.impls["eager"](*to_fp64(sets[0]))
         nbytes = bytes_moved(case, sets[0], expected)
-        calls = self.timing.calls(copies, nbytes) if self.on_cuda else 1
+        calls = harness.calls_per_graph(copies, nbytes, self.timing.max_calls) if self.on_cuda else 1
         copy_us = self.same_size_copy_us(nbytes)
         # Every check runs before any timing: a peer that writes into its inputs (Liger's
         # RoPE, in place) while it is timed must not change what the others are checked on.
@@ -668,7 +660,8 @@ class Runner:
         if not self.on_cuda:
             return None
         if nbytes not in self.copy_us_by_bytes:
-            self.copy_us_by_bytes[nbytes] = harness.same_size_copy_us(nbytes)
+            self.copy_us_by_bytes[nbytes] = harness.same_size_copy_us(nbytes, self.timing.max_copies,
+                                                                      self.timing.max_calls)
         return self.copy_us_by_bytes[nbytes]
 
     def time_all(self, impls: Dict[str, Callable], sets: List[tuple], calls: int) -> Dict[str, object]:
