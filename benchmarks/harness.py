@@ -9,12 +9,13 @@
   (launch and dispatch included, as a caller sees it), median over batches;
 - bandwidth: bytes a call must move (each input read once, each output written once)
   over kernel time, and that as a share of a device-to-device copy measured here;
-- on the CPU (the smoke run) only eager wall time, to prove the script runs.
+- on the CPU only wall time: the implementations of a case in interleaved rounds, median
+  (the smoke run: few rounds, to prove the script runs; the CPU sweep: many).
 """
 
 import statistics
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -26,13 +27,18 @@ def l2_bytes() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
 
 
-def copies_for_cold_l2(input_bytes: int) -> int:
-    """Input sets to rotate over so that a set is evicted from L2 before its next use."""
-    return max(1, -(-L2_MULTIPLE * l2_bytes() // max(1, input_bytes)))
+def copies_for_cold_l2(input_bytes: int, cap: Optional[int] = None) -> int:
+    """Input sets to rotate over so that a set is evicted from L2 before its next use (at
+    most `cap`: tiny inputs would want hundreds of thousands)."""
+    copies = max(1, -(-L2_MULTIPLE * l2_bytes() // max(1, input_bytes)))
+    return copies if cap is None else min(copies, cap)
 
 
-def calls_per_graph(copies: int, bytes_per_call: int) -> int:
-    return max(copies, -(-MIN_GRAPH_BYTES // max(1, bytes_per_call)))
+def calls_per_graph(copies: int, bytes_per_call: int, cap: Optional[int] = None) -> int:
+    """Calls a graph holds: every input set once, and MIN_GRAPH_BYTES of traffic (at most
+    `cap` calls, never fewer than the sets)."""
+    calls = max(copies, -(-MIN_GRAPH_BYTES // max(1, bytes_per_call)))
+    return calls if cap is None else max(copies, min(calls, cap))
 
 
 def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 25) -> float:
@@ -89,18 +95,43 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / best_us / 1e3
 
 
-def same_size_copy_us(nbytes: int) -> float:
+def same_size_copy_us(nbytes: int, max_copies: Optional[int] = None, max_calls: Optional[int] = None) -> float:
     """Kernel time of a copy that moves ``nbytes`` (half read, half written) under the same
     protocol as an op: graph replay, sources rotated past L2, each call its own output. It is
     the roofline at sizes where launch, ramp-up and tail are a visible share of the time,
-    which the rate of a 4 GB copy hides."""
+    which the rate of a 4 GB copy hides. max_copies and max_calls cap the sources and the
+    calls a graph holds, as the op's own run caps them."""
     elements = max(1, nbytes // 2 // 2)  # 16-bit elements read (and as many written)
     sources = [torch.randn(elements, device="cuda").to(torch.bfloat16)
-               for _ in range(copies_for_cold_l2(2 * elements))]
-    calls = calls_per_graph(len(sources), nbytes)
+               for _ in range(copies_for_cold_l2(2 * elements, max_copies))]
+    calls = calls_per_graph(len(sources), nbytes, max_calls)
     # mul by one is PyTorch's vectorized elementwise kernel; a copy_ in a graph becomes a
     # memcpy node, which runs slower (see copy_bandwidth_gbs)
     return graph_time_us([lambda s=sources[i % len(sources)]: torch.mul(s, 1) for i in range(calls)])
+
+
+def cpu_times_us(calls: Dict[str, Callable[[], object]], rounds: int = 5, min_batch_us: float = 0.0) -> Dict[str, float]:
+    """Median wall time of one call of each callable on the CPU, over interleaved rounds: a
+    round times every callable once, in an order that rotates from round to round, so that
+    a load that comes and goes on a shared machine weighs on each alike. A callable faster
+    than min_batch_us runs that many times in a row within a round (its batch; the round's
+    time is the batch's mean), so that timer resolution and call jitter stay small."""
+    batch = {}
+    for name, call in calls.items():
+        call()  # warm-up: first-call allocations and lazy initialisation stay out
+        start = time.perf_counter()
+        call()
+        once_us = (time.perf_counter() - start) * 1e6
+        batch[name] = max(1, int(min_batch_us / max(once_us, 1e-3)))
+    names = list(calls)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(rounds if names else 0):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            for _ in range(batch[name]):
+                calls[name]()
+            times[name].append((time.perf_counter() - start) * 1e6 / batch[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def cpu_time_us(call: Callable[[], object], repeats: int = 5) -> float:

@@ -53,8 +53,10 @@ class Shapes:
 
     rms_norm: Sequence[Tuple[int, int]]  # (rows, D), weighted; bf16, fp16 and fp32
     rms_norm_no_weight: Sequence[Tuple[int, int]]  # LTX's norm1/norm2; bf16, fp16, fp32
+    fused_add_rms_norm: Sequence[Tuple[int, int]]  # (rows, D): a decoder layer's add + norm
     adaln: Sequence[Tuple[int, int, int, bool]]  # (B, S, D, per-token scale/shift)
     gated_residual_adaln: Sequence[Tuple[int, int, int]]  # (B, S, D), [B,1,D] gate/scale/shift
+    gated_residual: Sequence[Tuple[int, int, int]]  # (B, S, D), [B,1,D] gate
     rope_rotate_half: Sequence[Tuple[int, int, int, int, int]]  # (B, Hq, Hkv, S, D)
     rope_ltx: Sequence[Tuple[int, int, int]]  # (B, S, C): rope_interleaved and qk_norm_rope
     geglu: Sequence[Tuple[int, int]]  # (rows, H): input [rows, 2H]
@@ -68,8 +70,10 @@ MODEL_SHAPES = Shapes(
     rms_norm=[(1024, 2048), (128, 4096), (4096, 4096), (8192, 4096), (32768, 4096), (32768, 8192),
               (648720, 128), (8192, 1536), (8192, 65536)],
     rms_norm_no_weight=[(5376, 2048)],
+    fused_add_rms_norm=[(1, 4096), (8192, 4096), (8192, 5120)],
     adaln=[(2, 2688, 2048, False), (2, 21504, 2048, False), (2, 2688, 2048, True)],
     gated_residual_adaln=[(2, 2688, 2048), (2, 21504, 2048)],
+    gated_residual=[(2, 21504, 2048)],
     rope_rotate_half=[(1, 32, 8, 8192, 128), (1, 32, 8, 128, 128), (4, 32, 8, 4096, 128)],
     rope_ltx=[(2, 2688, 2048), (2, 21504, 2048)],
     geglu=[(8192, 5120), (5376, 8192), (8192, 16384)],
@@ -77,12 +81,13 @@ MODEL_SHAPES = Shapes(
     gelu_mul=[(8192, 12288)],  # Gemma MLP
     quick=frozenset({
         ("rms_norm", (128, 4096)), ("rms_norm", (8192, 4096)), ("rms_norm", (648720, 128)),
-        ("adaln", (2, 2688, 2048, False)), ("gated_residual_adaln", (2, 2688, 2048)),
+        ("fused_add_rms_norm", (8192, 4096)), ("adaln", (2, 2688, 2048, False)), ("gated_residual_adaln", (2, 2688, 2048)),
         ("rope_rotate_half", (1, 32, 8, 8192, 128)), ("rope_rotate_half", (1, 32, 8, 128, 128)),
         ("rope_ltx", (2, 2688, 2048)), ("geglu", (8192, 5120)), ("gelu_tanh", (2, 2688, 8192)),
     }),
     backward=frozenset({
-        ("rms_norm", (8192, 4096)), ("rms_norm", (32768, 4096)), ("adaln", (2, 21504, 2048, False)),
+        ("rms_norm", (8192, 4096)), ("rms_norm", (32768, 4096)), ("fused_add_rms_norm", (8192, 4096)),
+        ("adaln", (2, 21504, 2048, False)), ("gated_residual", (2, 21504, 2048)),
         ("gated_residual_adaln", (2, 21504, 2048)), ("rope_rotate_half", (1, 32, 8, 8192, 128)), ("rope_ltx", (2, 21504, 2048)),
         ("geglu", (8192, 16384)), ("gelu_tanh", (2, 2688, 8192)),
     }),
@@ -91,14 +96,17 @@ MODEL_SHAPES = Shapes(
 SMOKE = Shapes(
     rms_norm=[(4, 64), (3, 40)],
     rms_norm_no_weight=[(5, 32)],
+    fused_add_rms_norm=[(4, 64)],
     adaln=[(2, 3, 64, False), (2, 3, 64, True)],
     gated_residual_adaln=[(2, 3, 64)],
+    gated_residual=[(2, 3, 64)],
     rope_rotate_half=[(1, 4, 2, 6, 16)],
     rope_ltx=[(2, 5, 32)],
     geglu=[(4, 24)],
     gelu_tanh=[(2, 3, 16)],
     gelu_mul=[(4, 24)],
-    backward=frozenset({("rms_norm", (4, 64)), ("adaln", (2, 3, 64, False)), ("gated_residual_adaln", (2, 3, 64)),
+    backward=frozenset({("rms_norm", (4, 64)), ("fused_add_rms_norm", (4, 64)), ("adaln", (2, 3, 64, False)),
+                        ("gated_residual_adaln", (2, 3, 64)), ("gated_residual", (2, 3, 64)),
                         ("rope_rotate_half", (1, 4, 2, 6, 16)),
                         ("rope_ltx", (2, 5, 32)), ("geglu", (4, 24)), ("gelu_tanh", (2, 3, 16))}),
 )
@@ -148,9 +156,10 @@ def library_versions() -> Dict[str, str]:
 class Case:
     """One op at one shape. ``inputs()`` makes one input set on the run's device;
     ``impls`` maps a name to a callable on an input set ("eager" is also the reference).
-    A forward+backward case has ``grad_argnums`` (inputs that get gradients; its input
-    set is ``(inputs, grad_outputs)``) and ``backward_reads`` (inputs the backward reads
-    again, for the byte count)."""
+    ``backward`` is how a forward case times forward+backward: (inputs that get gradients,
+    inputs the backward reads again); () where the op has none. A forward+backward case
+    has ``grad_argnums`` (its input set is ``(inputs, grad_outputs)``) and
+    ``backward_reads`` (for the byte count)."""
 
     op: str
     shape: str
@@ -159,6 +168,7 @@ class Case:
     quick: bool = False
     grad_argnums: Tuple[int, ...] = ()
     backward_reads: Tuple[int, ...] = ()
+    backward: Tuple[Tuple[int, ...], Tuple[int, ...]] = ()
 
 
 def flatten(obj) -> List[torch.Tensor]:
@@ -213,7 +223,9 @@ def forward_backward(fn: Callable, grad_argnums: Tuple[int, ...]) -> Callable:
     return run
 
 
-def with_backward(case: Case, grad_argnums: Tuple[int, ...], backward_reads: Tuple[int, ...]) -> Case:
+def with_backward(case: Case) -> Case:
+    """The forward+backward case of a forward case that has a backward."""
+    grad_argnums, backward_reads = case.backward
     forward_inputs, eager = case.inputs, case.impls["eager"]
 
     def inputs():
@@ -228,11 +240,59 @@ def with_backward(case: Case, grad_argnums: Tuple[int, ...], backward_reads: Tup
     return Case(case.op + " fwd+bwd", case.shape, inputs, impls, False, grad_argnums, backward_reads)
 
 
-class CaseBuilder:
-    """Builds the cases of a run: one device, one set of peer libraries, the ltx module."""
+class CompileFellBack(RuntimeError):
+    """torch.compile ran the code eagerly (no graph compiled for the call): a compile peer
+    that would be timed as eager."""
 
-    def __init__(self, ltx, libs: Libraries, device: str, shapes: Shapes):
+
+def configure_dynamo():
+    """Every shape compiles, and a recompile past the limit raises rather than running the
+    code eagerly (the runs also reset dynamo per case)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across releases
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 4096))
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 1 << 16))
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True
+    config.suppress_errors = False
+
+
+def graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compiled(fn: Callable, backend: str) -> Callable:
+    """torch.compile of fn as one graph per shape (fullgraph: a graph break raises). Its first
+    call must compile a graph: where dynamo compiles none (a skipped frame, a cache past its
+    limit), it raises CompileFellBack instead of returning what fn computed eagerly."""
+    compiled_fn = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+    checked = []
+
+    def run(*args):
+        if checked:
+            return compiled_fn(*args)
+        before = graphs_compiled()
+        out = compiled_fn(*args)
+        if graphs_compiled() == before:
+            raise CompileFellBack("torch.compile compiled no graph for this call: dynamo ran it eagerly")
+        checked.append(True)
+        return out
+
+    return run
+
+
+class CaseBuilder:
+    """Builds the cases of a run: one device, one set of peer libraries, the ltx module. Each
+    ``*_case`` method makes one op's case at one shape and dtype (the sweep calls them per
+    cell); ``build`` makes those of a Shapes table."""
+
+    def __init__(self, ltx, libs: Libraries, device: str, shapes: Optional[Shapes] = None,
+                 compile_peer: bool = True):
         self.ltx, self.libs, self.device, self.shapes = ltx, libs, device, shapes
+        self.compile_peer = compile_peer
         self.ref = ltx.reference  # the host libraries' code: the eager and compiled peers
         self.cases: List[Case] = []
 
@@ -240,140 +300,210 @@ class CaseBuilder:
         return torch.randn(*shape, device=self.device, dtype=dtype) * scale
 
     def peers(self, eager: Callable, **others: Optional[Callable]) -> Dict[str, Callable]:
-        # On the CPU (smoke) dynamo only traces: inductor's C++ codegen takes minutes there.
-        backend = "inductor" if self.device == "cuda" else "eager"
-        impls = {"eager": eager, "compile": torch.compile(eager, dynamic=False, backend=backend)}
+        impls = {"eager": eager}
+        if self.compile_peer:
+            # On the CPU (smoke) dynamo only traces: inductor's C++ codegen takes minutes there.
+            impls["compile"] = compiled(eager, "inductor" if self.device == "cuda" else "eager")
         impls.update({name: fn for name, fn in others.items() if fn})  # None/False: library or layout missing
         impls["ltx"] = impls.pop("ltx")  # last, after the peers it is compared with
         return impls
 
-    def add(self, family: str, key: tuple, op: str, shape: str, inputs: Callable, impls: Dict[str, Callable],
-            grad_argnums: Tuple[int, ...] = (), backward_reads: Tuple[int, ...] = (), dtype=BF16):
-        case = Case(op, shape, inputs, impls, quick=dtype == BF16 and (family, key) in self.shapes.quick)
-        self.cases.append(case)
-        if grad_argnums and dtype == BF16 and (family, key) in self.shapes.backward:
-            self.cases.append(with_backward(case, grad_argnums, backward_reads))
+    # --- one case per op, shape and dtype ---
 
-    def build(self) -> List[Case]:
-        self.rms_norm()
-        self.adaln()
-        self.rope()
-        self.activations()
-        return self.cases
-
-    def rms_norm(self):
+    def rms_norm_case(self, rows: int, d: int, dtype=BF16) -> Case:
         ltx, liger = self.ltx, self.libs.attr("liger", "LigerRMSNormFunction")
         quack = self.libs.attr("quack", "rmsnorm")
-        for dtype in (BF16, FP16, FP32):
-            for rows, d in self.shapes.rms_norm:
-                def inputs(rows=rows, d=d, dtype=dtype):
-                    return self.randn(rows, d, dtype=dtype), 1 + self.randn(d, dtype=dtype, scale=0.1)
-                impls = self.peers(
-                    self.ref.llama_rms_norm,
-                    **{"F.rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6),
-                       "liger": liger and (lambda x, w: liger.apply(x, w, 1e-6)),
-                       "quack": quack and (lambda x, w: quack(x, w, eps=1e-6)),
-                       "ltx": lambda x, w: ltx.rms_norm(x, w, 1e-6, cast_before_weight=True)})
-                self.add("rms_norm", (rows, d), "rms_norm", f"{rows}x{d} {dtype_name(dtype)}", inputs, impls,
-                         grad_argnums=(0, 1), backward_reads=(0, 1), dtype=dtype)
-            for rows, d in self.shapes.rms_norm_no_weight:
-                def inputs(rows=rows, d=d, dtype=dtype):
-                    return (self.randn(rows, d, dtype=dtype),)
-                impls = self.peers(
-                    self.ref.diffusers_rms_norm,
-                    **{"F.rms_norm": lambda x: F.rms_norm(x, x.shape[-1:], None, 1e-6),
-                       "liger": liger and (lambda x: liger.apply(x, None, 1e-6)),
-                       "quack": quack and (lambda x: quack(x, None, eps=1e-6)),
-                       "ltx": lambda x: ltx.rms_norm(x, None, 1e-6)})
-                self.add("rms_norm_no_weight", (rows, d), "rms_norm", f"{rows}x{d} {dtype_name(dtype)} no weight",
-                         inputs, impls, dtype=dtype)
 
-    def adaln(self):
+        def inputs():
+            return self.randn(rows, d, dtype=dtype), 1 + self.randn(d, dtype=dtype, scale=0.1)
+        impls = self.peers(
+            self.ref.llama_rms_norm,
+            **{"F.rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6),
+               "liger": liger and (lambda x, w: liger.apply(x, w, 1e-6)),
+               "quack": quack and (lambda x, w: quack(x, w, eps=1e-6)),
+               "ltx": lambda x, w: ltx.rms_norm(x, w, 1e-6, cast_before_weight=True)})
+        return Case("rms_norm", f"{rows}x{d} {dtype_name(dtype)}", inputs, impls, backward=((0, 1), (0, 1)))
+
+    def rms_norm_no_weight_case(self, rows: int, d: int, dtype=BF16) -> Case:
+        ltx, liger = self.ltx, self.libs.attr("liger", "LigerRMSNormFunction")
+        quack = self.libs.attr("quack", "rmsnorm")
+
+        def inputs():
+            return (self.randn(rows, d, dtype=dtype),)
+        impls = self.peers(
+            self.ref.diffusers_rms_norm,
+            **{"F.rms_norm": lambda x: F.rms_norm(x, x.shape[-1:], None, 1e-6),
+               "liger": liger and (lambda x: liger.apply(x, None, 1e-6)),
+               "quack": quack and (lambda x: quack(x, None, eps=1e-6)),
+               "ltx": lambda x: ltx.rms_norm(x, None, 1e-6)})
+        return Case("rms_norm", f"{rows}x{d} {dtype_name(dtype)} no weight", inputs, impls)
+
+    def fused_add_rms_norm_case(self, rows: int, d: int, dtype=BF16) -> Case:
+        """A decoder layer's residual add and next norm: h = x + residual, y = norm(h) in
+        Llama's cast order; returns (y, h)."""
+        ltx, liger = self.ltx, self.libs.attr("liger", "LigerFusedAddRMSNormFunction")
+        quack = self.libs.attr("quack", "rmsnorm")
+
+        def inputs():
+            return (self.randn(rows, d, dtype=dtype), self.randn(rows, d, dtype=dtype),
+                    1 + self.randn(d, dtype=dtype, scale=0.1))
+
+        def eager(x, residual, w):
+            h = x + residual
+            return self.ref.llama_rms_norm(h, w), h
+        impls = self.peers(
+            eager,
+            **{"F.rms_norm": lambda x, r, w: (F.rms_norm(h := x + r, h.shape[-1:], w, 1e-6), h),
+               "liger": liger and (lambda x, r, w: liger.apply(x, r, w, 1e-6, 0.0, "llama")),
+               "quack": quack and (lambda x, r, w: quack(x, w, residual=r, eps=1e-6, prenorm=True)),
+               "ltx": lambda x, r, w: ltx.fused_add_rms_norm(x, r, w, 1e-6, cast_before_weight=True)})
+        return Case("fused_add_rms_norm", f"{rows}x{d} {dtype_name(dtype)}", inputs, impls,
+                    backward=((0, 1, 2), (0, 2)))
+
+    def adaln_case(self, norm: str, b: int, s: int, d: int, per_token: bool, dtype=BF16) -> Case:
         ltx, liger = self.ltx, self.libs.attr("liger", "LigerModulatedRMSNormFunction")
-        for norm in ("rms", "layer"):
-            for b, s, d, per_token in self.shapes.adaln:
-                def inputs(b=b, s=s, d=d, per_token=per_token):
-                    mod = (b, s, d) if per_token else (b, 1, d)
-                    return self.randn(b, s, d), self.randn(*mod, scale=0.1), self.randn(*mod, scale=0.1)
-                others = {"ltx": lambda x, sc, sh, norm=norm: ltx.adaln(x, sc, sh, 1e-6, norm=norm)}
-                if norm == "rms":
-                    others["F.rms_norm"] = self.ref.adaln_with_torch_rms_norm
-                    others["liger"] = liger and (lambda x, sc, sh: liger.apply(x, None, sc, sh, 1e-6))
-                impls = self.peers(self.ref.adaln(norm), **others)
-                self.add("adaln", (b, s, d, per_token), f"adaln_{norm}",
-                         f"[{b},{s},{d}] scale/shift {'per-token' if per_token else f'[{b},1,{d}]'}", inputs, impls,
-                         grad_argnums=(0, 1, 2), backward_reads=(0, 1))
-            for b, s, d in self.shapes.gated_residual_adaln:
-                def inputs(b=b, s=s, d=d):
-                    return (self.randn(b, s, d), self.randn(b, s, d),
-                            *(self.randn(b, 1, d, scale=0.1) for _ in range(3)))
-                impls = self.peers(self.ref.gated_residual_adaln(norm),
-                                   ltx=lambda r, x, g, sc, sh, norm=norm: ltx.gated_residual_adaln(
-                                       r, x, g, sc, sh, 1e-6, norm=norm))
-                # The backward re-reads x and the saved sum (the residual's size).
-                self.add("gated_residual_adaln", (b, s, d), f"gated_residual_adaln_{norm}",
-                         f"[{b},{s},{d}], [{b},1,{d}] gate/scale/shift", inputs, impls,
-                         grad_argnums=(0, 1, 2, 3, 4), backward_reads=(0, 1))
 
-    def rope(self):
+        def inputs():
+            mod = (b, s, d) if per_token else (b, 1, d)
+            return (self.randn(b, s, d, dtype=dtype), self.randn(*mod, dtype=dtype, scale=0.1),
+                    self.randn(*mod, dtype=dtype, scale=0.1))
+        others = {"ltx": lambda x, sc, sh: ltx.adaln(x, sc, sh, 1e-6, norm=norm)}
+        if norm == "rms":
+            others["F.rms_norm"] = self.ref.adaln_with_torch_rms_norm
+            others["liger"] = liger and (lambda x, sc, sh: liger.apply(x, None, sc, sh, 1e-6))
+        modulation = "per-token" if per_token else f"[{b},1,{d}]"
+        return Case(f"adaln_{norm}", f"[{b},{s},{d}] scale/shift {modulation}{dtype_suffix(dtype)}", inputs,
+                    self.peers(self.ref.adaln(norm), **others), backward=((0, 1, 2), (0, 1)))
+
+    def gated_residual_case(self, b: int, s: int, d: int, dtype=BF16) -> Case:
+        ltx = self.ltx
+
+        def inputs():
+            return (self.randn(b, s, d, dtype=dtype), self.randn(b, s, d, dtype=dtype),
+                    self.randn(b, 1, d, dtype=dtype, scale=0.1))
+        return Case("gated_residual", f"[{b},{s},{d}], [{b},1,{d}] gate{dtype_suffix(dtype)}", inputs,
+                    self.peers(lambda r, x, g: r + x * g, ltx=lambda r, x, g: ltx.gated_residual(r, x, g)),
+                    backward=((0, 1, 2), (1, 2)))
+
+    def gated_residual_adaln_case(self, norm: str, b: int, s: int, d: int, dtype=BF16) -> Case:
+        ltx = self.ltx
+
+        def inputs():
+            return (self.randn(b, s, d, dtype=dtype), self.randn(b, s, d, dtype=dtype),
+                    *(self.randn(b, 1, d, dtype=dtype, scale=0.1) for _ in range(3)))
+        impls = self.peers(self.ref.gated_residual_adaln(norm),
+                           ltx=lambda r, x, g, sc, sh: ltx.gated_residual_adaln(r, x, g, sc, sh, 1e-6, norm=norm))
+        # The backward re-reads x and the saved sum (the residual's size).
+        return Case(f"gated_residual_adaln_{norm}", f"[{b},{s},{d}], [{b},1,{d}] gate/scale/shift{dtype_suffix(dtype)}",
+                    inputs, impls, backward=((0, 1, 2, 3, 4), (0, 1)))
+
+    def rope_rotate_half_case(self, b: int, hq: int, hkv: int, s: int, d: int, dtype=BF16) -> Case:
         ltx, liger = self.ltx, self.libs.attr("liger", "LigerRopeFunction")
         quack_rotary = self.libs.attr("quack.rotary", "apply_rotary_emb")
-        for b, hq, hkv, s, d in self.shapes.rope_rotate_half:
-            def inputs(b=b, hq=hq, hkv=hkv, s=s, d=d):
-                return rotate_half_inputs(b, hq, hkv, s, d, self.device)
 
-            def quack_rope(q, k, cos, sin):
-                # flash-attn layout: x [B, S, H, D], tables [S, D/2] shared by the batch (B = 1 only).
-                half = cos.shape[-1] // 2
-                return tuple(quack_rotary(x.transpose(1, 2), cos[0, :, :half], sin[0, :, :half]).transpose(1, 2)
-                             for x in (q, k))
-            impls = self.peers(self.ref.transformers_rope,
-                               liger=liger and (lambda q, k, c, sn: liger.apply(q, k, c, sn)),
-                               quack=quack_rotary and b == 1 and quack_rope,
-                               ltx=lambda q, k, c, sn: ltx.rope_rotate_half(q, k, c, sn))
-            self.add("rope_rotate_half", (b, hq, hkv, s, d), "rope_rotate_half",
-                     f"q[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}]", inputs, impls,
-                     grad_argnums=(0, 1), backward_reads=(2, 3))
-        for b, s, c in self.shapes.rope_ltx:
-            def inputs(b=b, s=s, c=c):
-                angle = torch.rand(b, s, c // 2, device=self.device).repeat_interleave(2, -1)
-                return self.randn(b, s, c), self.randn(b, s, c), angle.cos(), angle.sin()
-            self.add("rope_ltx", (b, s, c), "rope_interleaved", f"LTX q/k [{b},{s},{c}], fp32 tables", inputs,
-                     self.peers(self.ref.ltx_rope, ltx=lambda q, k, co, si: ltx.rope_interleaved(q, k, co, si)),
-                     grad_argnums=(0, 1), backward_reads=(2, 3))
+        def inputs():
+            return rotate_half_inputs(b, hq, hkv, s, d, self.device, dtype)
 
-            def inputs_norm(b=b, s=s, c=c, rope_inputs=inputs):
-                q, k, cos, sin = rope_inputs()
-                weights = (1 + self.randn(c, scale=0.1) for _ in range(2))
-                return (q, k, *weights, cos, sin)
-            self.add("qk_norm_rope", (b, s, c), "qk_norm_rope", f"LTX q/k [{b},{s},{c}]", inputs_norm,
-                     self.peers(self.ref.ltx_qk_norm_rope,
-                                ltx=lambda q, k, wq, wk, co, si: ltx.qk_norm_rope(q, k, wq, wk, co, si, 1e-5)))
+        def quack_rope(q, k, cos, sin):
+            # flash-attn layout: x [B, S, H, D], tables [S, D/2] shared by the batch (B = 1 only).
+            half = cos.shape[-1] // 2
+            return tuple(quack_rotary(x.transpose(1, 2), cos[0, :, :half], sin[0, :, :half]).transpose(1, 2)
+                         for x in (q, k))
+        impls = self.peers(self.ref.transformers_rope,
+                           liger=liger and (lambda q, k, c, sn: liger.apply(q, k, c, sn)),
+                           quack=quack_rotary and b == 1 and quack_rope,
+                           ltx=lambda q, k, c, sn: ltx.rope_rotate_half(q, k, c, sn))
+        return Case("rope_rotate_half", f"q[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}]{dtype_suffix(dtype)}", inputs,
+                    impls, backward=((0, 1), (2, 3)))
 
-    def activations(self):
+    def ltx_rope_inputs(self, b: int, s: int, c: int, dtype=BF16) -> tuple:
+        """LTX-Video's q, k [b, s, c] and its fp32 [b, s, c] tables of pairs."""
+        angle = torch.rand(b, s, c // 2, device=self.device).repeat_interleave(2, -1)
+        return self.randn(b, s, c, dtype=dtype), self.randn(b, s, c, dtype=dtype), angle.cos(), angle.sin()
+
+    def rope_interleaved_case(self, b: int, s: int, c: int, dtype=BF16) -> Case:
+        ltx = self.ltx
+        return Case("rope_interleaved", f"LTX q/k [{b},{s},{c}], fp32 tables{dtype_suffix(dtype)}",
+                    lambda: self.ltx_rope_inputs(b, s, c, dtype),
+                    self.peers(self.ref.ltx_rope, ltx=lambda q, k, co, si: ltx.rope_interleaved(q, k, co, si)),
+                    backward=((0, 1), (2, 3)))
+
+    def qk_norm_rope_case(self, b: int, s: int, c: int, dtype=BF16) -> Case:
+        ltx = self.ltx
+
+        def inputs():
+            q, k, cos, sin = self.ltx_rope_inputs(b, s, c, dtype)
+            return (q, k, *(1 + self.randn(c, dtype=dtype, scale=0.1) for _ in range(2)), cos, sin)
+        return Case("qk_norm_rope", f"LTX q/k [{b},{s},{c}]{dtype_suffix(dtype)}", inputs,
+                    self.peers(self.ref.ltx_qk_norm_rope,
+                               ltx=lambda q, k, wq, wk, co, si: ltx.qk_norm_rope(q, k, wq, wk, co, si, 1e-5)))
+
+    def geglu_case(self, rows: int, h: int, dtype=BF16) -> Case:
+        ltx = self.ltx
+        return Case("geglu", f"[{rows}, 2x{h}]{dtype_suffix(dtype)}", lambda: (self.randn(rows, 2 * h, dtype=dtype),),
+                    self.peers(self.ref.diffusers_geglu, ltx=lambda x: ltx.geglu(x, "none")),
+                    backward=((0,), (0,)))
+
+    def gelu_tanh_case(self, shape: Tuple[int, ...], dtype=BF16) -> Case:
+        ltx = self.ltx
+        return Case("gelu_tanh", "[" + ",".join(map(str, shape)) + "]" + dtype_suffix(dtype),
+                    lambda: (self.randn(*shape, dtype=dtype),),
+                    self.peers(self.ref.gelu_tanh, ltx=lambda x: ltx.gelu(x, "tanh")), backward=((0,), (0,)))
+
+    def gelu_mul_case(self, rows: int, d: int, dtype=BF16) -> Case:
         ltx, liger = self.ltx, self.libs.attr("liger", "LigerGELUMulFunction")
-        for rows, h in self.shapes.geglu:
-            def inputs(rows=rows, h=h):
-                return (self.randn(rows, 2 * h),)
-            self.add("geglu", (rows, h), "geglu", f"[{rows}, 2x{h}]", inputs,
-                     self.peers(self.ref.diffusers_geglu, ltx=lambda x: ltx.geglu(x, "none")),
-                     grad_argnums=(0,), backward_reads=(0,))
-        for shape in self.shapes.gelu_tanh:
-            def inputs(shape=shape):
-                return (self.randn(*shape),)
-            self.add("gelu_tanh", shape, "gelu_tanh", "[" + ",".join(map(str, shape)) + "]", inputs,
-                     self.peers(self.ref.gelu_tanh, ltx=lambda x: ltx.gelu(x, "tanh")),
-                     grad_argnums=(0,), backward_reads=(0,))
-        for rows, d in self.shapes.gelu_mul:
-            def inputs(rows=rows, d=d):
-                return self.randn(rows, d), self.randn(rows, d)
-            self.add("gelu_mul", (rows, d), "gelu_mul", f"[{rows}, {d}] (Gemma MLP)", inputs,
-                     self.peers(self.ref.gemma_gelu_mul, liger=liger and (lambda g, u: liger.apply(g, u)),
-                                ltx=lambda g, u: ltx.gelu_mul(g, u, "tanh")))
+        return Case("gelu_mul", f"[{rows}, {d}] (Gemma MLP){dtype_suffix(dtype)}",
+                    lambda: (self.randn(rows, d, dtype=dtype), self.randn(rows, d, dtype=dtype)),
+                    self.peers(self.ref.gemma_gelu_mul, liger=liger and (lambda g, u: liger.apply(g, u)),
+                               ltx=lambda g, u: ltx.gelu_mul(g, u, "tanh")),
+                    backward=((0, 1), (0, 1)))
+
+    # --- the model shapes ---
+
+    def add(self, family: str, key: tuple, case: Case, dtype=BF16):
+        listed = dtype == BF16 and self.shapes is not None
+        case.quick = listed and (family, key) in self.shapes.quick
+        self.cases.append(case)
+        if case.backward and listed and (family, key) in self.shapes.backward:
+            self.cases.append(with_backward(case))
+
+    def build(self) -> List[Case]:
+        shapes = self.shapes
+        for dtype in (BF16, FP16, FP32):
+            for key in shapes.rms_norm:
+                self.add("rms_norm", key, self.rms_norm_case(*key, dtype), dtype)
+            for key in shapes.rms_norm_no_weight:
+                self.add("rms_norm_no_weight", key, self.rms_norm_no_weight_case(*key, dtype), dtype)
+        for key in shapes.fused_add_rms_norm:
+            self.add("fused_add_rms_norm", key, self.fused_add_rms_norm_case(*key))
+        for norm in ("rms", "layer"):
+            for key in shapes.adaln:
+                self.add("adaln", key, self.adaln_case(norm, *key))
+            for key in shapes.gated_residual_adaln:
+                self.add("gated_residual_adaln", key, self.gated_residual_adaln_case(norm, *key))
+        for key in shapes.gated_residual:
+            self.add("gated_residual", key, self.gated_residual_case(*key))
+        for key in shapes.rope_rotate_half:
+            self.add("rope_rotate_half", key, self.rope_rotate_half_case(*key))
+        for key in shapes.rope_ltx:
+            self.add("rope_ltx", key, self.rope_interleaved_case(*key))
+            self.add("rope_ltx", key, self.qk_norm_rope_case(*key))
+        for key in shapes.geglu:
+            self.add("geglu", key, self.geglu_case(*key))
+        for key in shapes.gelu_tanh:
+            self.add("gelu_tanh", key, self.gelu_tanh_case(key))
+        for key in shapes.gelu_mul:
+            self.add("gelu_mul", key, self.gelu_mul_case(*key))
+        return self.cases
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def dtype_suffix(dtype: torch.dtype) -> str:
+    """The shape label's dtype: bf16 (most ops' only dtype in the model shapes) goes unsaid."""
+    return "" if dtype == BF16 else f" {dtype_name(dtype)}"
 
 
 # --- running ------------------------------------------------------------------------------
@@ -435,14 +565,30 @@ def max_error(actual, expected) -> float:
     return max((a.double() - e.double()).abs().max().item() for a, e in pairs)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How a run times a case. On CUDA: input sets rotated past L2 (at most ``max_copies``),
+    at least harness.MIN_GRAPH_BYTES of calls a graph (at most ``max_calls``), ``replays``
+    graph replays and ``eager_batches`` eager batches of about ``eager_batch_us`` each. On
+    the CPU: ``cpu_rounds`` interleaved rounds of every implementation (harness.cpu_times_us)."""
+
+    max_copies: Optional[int] = None
+    max_calls: Optional[int] = None
+    replays: int = 25
+    eager_batches: int = 7
+    eager_batch_us: float = 2e4
+    cpu_rounds: int = 5
+    cpu_batch_us: float = 0.0
+
+
 class Runner:
     """Times the cases and keeps the rows: results, skips, and the table lines."""
 
     COLUMNS = ("op", "shape", "impl", "kernel us", "eager us", "MB moved", "GB/s", "% copy BW",
                "% same-size copy", "ltx / best peer (kernel)", "ltx / best peer (eager)", "max abs err")
 
-    def __init__(self, on_cuda: bool, copy_gbs: float):
-        self.on_cuda, self.copy_gbs = on_cuda, copy_gbs
+    def __init__(self, on_cuda: bool, copy_gbs: float, timing: Timing = Timing()):
+        self.on_cuda, self.copy_gbs, self.timing = on_cuda, copy_gbs, timing
         self.copy_us_by_bytes: Dict[int, float] = {}
         self.rows: List[dict] = []
         self.skipped: List[dict] = []
@@ -452,29 +598,37 @@ class Runner:
         self.lines.append(line)
         print(line, flush=True)
 
-    def run(self, cases: Sequence[Case]):
+    def header(self):
         self.emit("| " + " | ".join(self.COLUMNS) + " |")
         self.emit("|" + "---|" * len(self.COLUMNS))
+
+    def run(self, cases: Sequence[Case]):
+        self.header()
         for case in cases:
-            try:
-                entries = self.run_case(case)
-            except Exception as e:  # input set or reference failed (e.g. out of memory)
-                entries = [self.skip(case, "all", e)]
-            finally:
-                self.release()
-            self.compare_with_peers([e for e in entries if "reason" not in e])
-            for entry in entries:
-                (self.skipped if "reason" in entry else self.rows).append(entry)
-                self.emit(self.format(entry))
+            self.run_one(case)
+
+    def run_one(self, case: Case) -> List[dict]:
+        """Times one case; keeps and prints its rows (with the comparison to the peers)."""
+        try:
+            entries = self.run_case(case)
+        except Exception as e:  # input set or reference failed (e.g. out of memory)
+            entries = [self.skip(case, "all", e)]
+        finally:
+            self.release()
+        self.compare_with_peers([e for e in entries if "reason" not in e])
+        for entry in entries:
+            (self.skipped if "reason" in entry else self.rows).append(entry)
+            self.emit(self.format(entry))
+        return entries
 
     def run_case(self, case: Case) -> List[dict]:
         """A row per implementation: its timings, or why it was skipped."""
         sets = [case.inputs()]
-        copies = harness.copies_for_cold_l2(size_of(sets[0])) if self.on_cuda else 1
+        copies = harness.copies_for_cold_l2(size_of(sets[0]), self.timing.max_copies) if self.on_cuda else 1
         sets += [case.inputs() for _ in range(copies - 1)]
         expected = case.impls["eager"](*to_fp64(sets[0]))
         nbytes = bytes_moved(case, sets[0], expected)
-        calls = harness.calls_per_graph(copies, nbytes) if self.on_cuda else 1
+        calls = harness.calls_per_graph(copies, nbytes, self.timing.max_calls) if self.on_cuda else 1
         copy_us = self.same_size_copy_us(nbytes)
         # Every check runs before any timing: a peer that writes into its inputs (Liger's
         # RoPE, in place) while it is timed must not change what the others are checked on.
@@ -485,46 +639,71 @@ class Runner:
             except Exception as e:  # a peer without this layout, dtype or autograd
                 errors[name] = e
         errors.update(wrong_results(errors))
+        checked = {name: fn for name, fn in case.impls.items() if not isinstance(errors[name], Exception)}
+        outcomes = self.time_all(checked, sets, calls)
         rows = []
-        for name, fn in case.impls.items():
-            try:
-                if isinstance(errors[name], Exception):
-                    raise errors[name]
-                err = errors[name]
-                kernel_us, eager_us = self.time(fn, sets, calls)
-            except Exception as e:
-                rows.append(self.skip(case, name, e))
+        for name in case.impls:
+            outcome = errors[name] if isinstance(errors[name], Exception) else outcomes[name]
+            if isinstance(outcome, Exception):
+                rows.append(self.skip(case, name, outcome))
                 continue
+            kernel_us, eager_us = outcome
             seconds = kernel_us if kernel_us is not None else eager_us
             gbs = nbytes / seconds / 1e3
             rows.append(dict(op=case.op, shape=case.shape, impl=name, kernel_us=kernel_us, eager_us=eager_us,
                              bytes=nbytes, gbs=gbs, pct_copy=100 * gbs / self.copy_gbs,
                              pct_same_size_copy=None if copy_us is None else 100 * copy_us / seconds,
-                             max_abs_err=err))
+                             max_abs_err=errors[name]))
         return rows
 
     def same_size_copy_us(self, nbytes: int) -> Optional[float]:
         if not self.on_cuda:
             return None
         if nbytes not in self.copy_us_by_bytes:
-            self.copy_us_by_bytes[nbytes] = harness.same_size_copy_us(nbytes)
+            self.copy_us_by_bytes[nbytes] = harness.same_size_copy_us(nbytes, self.timing.max_copies,
+                                                                      self.timing.max_calls)
         return self.copy_us_by_bytes[nbytes]
 
-    def time(self, fn: Callable, sets: List[tuple], calls: int) -> Tuple[Optional[float], float]:
+    def time_all(self, impls: Dict[str, Callable], sets: List[tuple], calls: int) -> Dict[str, object]:
+        """name -> (kernel us or None, eager us), or the exception its timing raised. On the
+        CPU the implementations are timed in interleaved rounds, so that a load that comes
+        and goes weighs on each alike."""
+        outcomes: Dict[str, object] = {}
         if not self.on_cuda:
-            return None, harness.cpu_time_us(lambda: fn(*sets[0]))
-        rotated = [lambda s=sets[i % len(sets)]: fn(*s) for i in range(calls)]
-        kernel_us = harness.graph_time_us(rotated)
-        # About 20 ms of calls per batch: many for small shapes, few for large.
-        batch = int(min(200, max(5, 2e4 / kernel_us)))
-        return kernel_us, harness.eager_time_us(rotated[:len(sets)], batch=batch)
+            runnable = {}
+            for name, fn in impls.items():
+                try:
+                    fn(*sets[0])
+                    runnable[name] = lambda fn=fn: fn(*sets[0])
+                except Exception as e:
+                    outcomes[name] = e
+            times = harness.cpu_times_us(runnable, self.timing.cpu_rounds, self.timing.cpu_batch_us)
+            outcomes.update({name: (None, us) for name, us in times.items()})
+            return outcomes
+        for name, fn in impls.items():
+            try:
+                outcomes[name] = self.time_cuda(fn, sets, calls)
+            except Exception as e:
+                outcomes[name] = e
+                self.synchronize()
+        return outcomes
 
-    def skip(self, case: Case, impl: str, error: BaseException) -> dict:
+    def time_cuda(self, fn: Callable, sets: List[tuple], calls: int) -> Tuple[float, float]:
+        rotated = [lambda s=sets[i % len(sets)]: fn(*s) for i in range(calls)]
+        kernel_us = harness.graph_time_us(rotated, self.timing.replays)
+        # About eager_batch_us of calls per batch: many for small shapes, few for large.
+        batch = int(min(200, max(5, self.timing.eager_batch_us / kernel_us)))
+        return kernel_us, harness.eager_time_us(rotated[:len(sets)], batch=batch, batches=self.timing.eager_batches)
+
+    def synchronize(self):
         if self.on_cuda:
             try:  # an asynchronous failure surfaces here, not in the next implementation
                 torch.cuda.synchronize()
             except Exception:
                 pass  # a broken context: the next calls fail too and are skipped with their reason
+
+    def skip(self, case: Case, impl: str, error: BaseException) -> dict:
+        self.synchronize()
         return dict(op=case.op, shape=case.shape, impl=impl, reason=f"{type(error).__name__}: {first_line(error)}")
 
     def release(self):
@@ -619,6 +798,7 @@ def main():
 
     ltx = get_local_kernel(REPO)
     libs = load_libraries(on_cuda)
+    configure_dynamo()
     cases = select(CaseBuilder(ltx, libs, "cuda" if on_cuda else "cpu", SMOKE if args.smoke else MODEL_SHAPES).build(),
                    args)
     copy_gbs = harness.copy_bandwidth_gbs() if on_cuda else harness.cpu_copy_bandwidth_gbs()

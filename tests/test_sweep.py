@@ -1,0 +1,161 @@
+"""The size sweep (benchmarks/ops/sweep.py): its CPU smoke runs every op end to end and writes
+its outputs, its GPU plan samples the grid as its docstring says, a cell's standing follows
+the issue's targets, and a torch.compile peer that runs eagerly fails instead of being timed."""
+
+import json
+import math
+import sys
+import time
+
+import pytest
+import torch
+
+from benchmarks import harness
+from benchmarks.ops import bench_ops, sweep
+
+MB = 1 << 20
+
+
+def test_cpu_smoke_sweep_times_every_op_and_writes_its_outputs(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["sweep.py", "--cpu", "--smoke", "--out-dir", str(tmp_path)])
+    started = time.perf_counter()
+    sweep.main()  # no SystemExit: no ltx result is wrong
+    assert time.perf_counter() - started < 45
+    report = json.loads((tmp_path / "sweep.json").read_text())
+
+    planned = {cell.key for cell in sweep.cpu_plan(list(sweep.SWEEP_OPS), smoke=True)}
+    measured = {(c["op"], c["rows"], c["width"], c["dtype"], c["backward"]) for c in report["cells"]}
+    assert measured == planned and report["not_reached"] == 0
+    assert {c["op"] for c in report["cells"]} == set(sweep.SWEEP_OPS)
+    for cell in report["cells"]:
+        assert not cell["failed"], cell  # every implementation checked and timed
+        # the summary's ratio is ltx's median wall time over the fastest peer's, from its rows
+        rows = [r for r in report["rows"] if r["cell"] == sweep.cell_label(cell)]
+        ours = next(r["eager_us"] for r in rows if r["impl"] == "ltx")
+        fastest = min(r["eager_us"] for r in rows if r["impl"] != "ltx")
+        assert {r["impl"] for r in rows} >= {"ltx", "eager"} and "compile" not in {r["impl"] for r in rows}
+        assert cell["ltx_us"] == ours > 0 and math.isclose(cell["ratio"], ours / fastest)
+        assert cell["meets_target"] is (None if cell["bytes"] < MB else cell["ratio"] <= 1.0)
+    rms_rows = [r for r in report["rows"] if r["cell_op"] == "rms_norm" and not r["cell_backward"]]
+    assert {r["impl"] for r in rms_rows} == {"eager", "F.rms_norm", "ltx"}
+
+    worst = (tmp_path / "worst.md").read_text()
+    assert "## Per op" in worst and all(f"| {op} |" in worst for op in sweep.SWEEP_OPS)
+    for op in sweep.SWEEP_OPS:  # a heatmap per op (matplotlib is a dev requirement)
+        assert (tmp_path / f"{op}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rendered = tmp_path / "again"
+    monkeypatch.setattr(sys, "argv", ["sweep.py", "--render", str(tmp_path / "sweep.json"), "--out-dir", str(rendered)])
+    sweep.main()
+    assert (rendered / "worst.md").read_text() == worst
+
+
+def test_spread_puts_the_ends_and_middles_first():
+    order = sweep.spread(list(range(17)))
+    assert sorted(order) == list(range(17))
+    assert order[:3] == [0, 16, 8] and set(order[:5]) == {0, 4, 8, 12, 16}
+    assert set(order[:9]) == set(range(0, 17, 2))
+    assert sweep.spread([3]) == [3] and sweep.spread([]) == []
+
+
+def test_gpu_plan_samples_the_grid_as_documented():
+    ops = list(sweep.SWEEP_OPS)
+    plan = sweep.gpu_plan(ops)
+    assert len({c.key for c in plan}) == len(plan)
+    assert plan == sweep.gpu_plan(ops) and plan != sweep.gpu_plan(ops, seed=1)  # seeded
+    named = [c for c in plan if c.stream == "named"]
+    assert plan[:len(named)] == named and {c.op for c in named} == {"fused_add_rms_norm", "rope_rotate_half"}
+    # then round robin: within one cell per stream per op, every op has the first cell of each
+    # of its streams (a stream's cell that a named one repeats is not run twice)
+    prefix = {c.key for c in plan[:len(named) + 5 * len(ops)]}
+    widest_first, fewest_first = sweep.widths_by_priority()[0], sweep.spread(sweep.ROWS)[0]
+    for op in ops:
+        width = sweep.SWEEP_OPS[op].model_width
+        firsts = [(op, fewest_first, width, "bf16", False), (op, 4096, widest_first, "bf16", False),
+                  (op, 1, widest_first, "bf16", False)]
+        if op not in sweep.FORWARD_ONLY:
+            firsts.append((op, fewest_first, width, "bf16", True))
+        assert set(firsts) <= prefix, op
+        assert any(c.op == op and c.stream == "random" for c in plan[len(named):len(named) + 5 * len(ops)]), op
+    for c in plan:
+        assert c.rows in sweep.ROWS and c.width in sweep.WIDTHS and c.dtype in sweep.DTYPES
+        if c.dtype == "fp32":
+            assert c.width % 1024 == 0 and math.log(c.rows, 4) == int(math.log(c.rows, 4))
+        if c.op == "qk_norm_rope":
+            assert not c.backward and (c.dtype != "fp32" or c.width <= 8192)
+    # the row stream covers every row count at the op's model width, the width stream every width
+    rms = [c for c in plan if c.op == "rms_norm"]
+    bf16_forward = {(c.rows, c.width) for c in rms if c.dtype == "bf16" and not c.backward}
+    assert {(rows, 4096) for rows in sweep.ROWS} <= bf16_forward
+    assert {(4096, w) for w in sweep.WIDTHS} | {(1, w) for w in sweep.WIDTHS} <= bf16_forward
+    assert {1152, 1536, 2304, 2560, 3584, 5120, 6144, 7168} <= set(sweep.WIDTHS)
+    assert {"bf16", "fp16", "fp32"} <= {c.dtype for c in rms}
+    assert sweep.rope_sequences(1) == (1, 1) and sweep.rope_sequences(64) == (64, 1)
+    assert sweep.rope_sequences(128) == (1, 128)
+
+
+def test_a_cell_meets_the_target_its_size_sets():
+    cell = sweep.Cell("rms_norm", 4096, 4096, "bf16")
+
+    def entries(ltx_us, peer_us, nbytes, reason=None):
+        rows = [dict(impl="ltx", kernel_us=ltx_us, eager_us=ltx_us + 5, bytes=nbytes),
+                dict(impl="liger", kernel_us=peer_us, eager_us=peer_us + 9, bytes=nbytes),
+                dict(impl="quack", kernel_us=peer_us * 2, eager_us=peer_us, bytes=nbytes)]
+        return rows + ([dict(impl="compile", reason=reason)] if reason else [])
+
+    large = sweep.summarize(cell, entries(104.0, 100.0, 2 * MB), on_cuda=True)
+    assert large["peer"] == "liger" and large["meets_target"] and math.isclose(large["ratio"], 1.04)
+    assert large["eager_peer"] == "quack" and math.isclose(large["eager_ratio"], 109 / 100)
+    assert not sweep.summarize(cell, entries(106.0, 100.0, 2 * MB), on_cuda=True)["meets_target"]
+    assert sweep.summarize(cell, entries(2.3, 2.15, MB - 1), on_cuda=True)["meets_target"]  # 0.15 us behind
+    assert not sweep.summarize(cell, entries(2.5, 2.2, MB - 1), on_cuda=True)["meets_target"]
+    cpu = [dict(impl="ltx", kernel_us=None, eager_us=101.0, bytes=2 * MB),
+           dict(impl="eager", kernel_us=None, eager_us=100.0, bytes=2 * MB)]
+    assert sweep.summarize(cell, cpu, on_cuda=False)["meets_target"] is False
+    assert sweep.summarize(cell, [dict(cpu[0], bytes=MB - 1), dict(cpu[1], bytes=MB - 1)], on_cuda=False)["meets_target"] is None
+    fell_back = sweep.summarize(cell, entries(1.0, 1.0, MB, reason="CompileFellBack: ran eagerly"), on_cuda=True)
+    assert fell_back["fell_back"] == ["compile"] and "compile" in fell_back["failed"]
+
+
+def test_compile_peer_compiles_every_shape_and_fails_when_it_runs_eagerly():
+    def norm(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256,
+                                    fail_on_recompile_limit_hit=False, suppress_errors=False):
+        bench_ops.configure_dynamo()
+        torch._dynamo.reset()
+        try:
+            # One compiled function over more shapes than dynamo's default limit of 8: each
+            # shape gets its own graph, none runs eagerly.
+            compiled = torch.compile(norm, dynamic=False, fullgraph=True, backend="eager")
+            for width in range(1, 13):
+                before = bench_ops.graphs_compiled()
+                x = torch.randn(3, width)
+                torch.testing.assert_close(compiled(x), norm(x))
+                assert bench_ops.graphs_compiled() == before + 1, width
+            peer = bench_ops.compiled(norm, "eager")
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(peer(x), norm(x))
+            eager_only = bench_ops.compiled(torch._dynamo.disable(norm), "eager")
+            with pytest.raises(bench_ops.CompileFellBack, match="ran it eagerly"):
+                eager_only(x)
+        finally:
+            torch._dynamo.reset()
+
+
+def test_cpu_times_are_interleaved_medians_per_call():
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.004)
+
+    times = harness.cpu_times_us({"fast": fast, "slow": slow}, rounds=7)
+    assert calls == {"fast": 2 + 7, "slow": 2 + 7}  # warm-up, calibration, one a round
+    assert times["slow"] >= 4000 > 10 * times["fast"]
+    batched = harness.cpu_times_us({"fast": fast}, rounds=3, min_batch_us=1000)
+    assert calls["fast"] > 9 + 2 + 3 and batched["fast"] < 1000
