@@ -13,6 +13,7 @@
   (the smoke run: few rounds, to prove the script runs; the CPU sweep: many).
 """
 
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -149,3 +150,45 @@ def cpu_copy_bandwidth_gbs(nbytes: int = 64 << 20) -> float:
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     return 2 * nbytes / cpu_time_us(lambda: dst.copy_(src)) / 1e3
+
+
+def others_cpu_s() -> Optional[float]:
+    """CPU seconds that other processes have used since boot: the machine's busy time in
+    /proc/stat less this process's own (Linux; None where there is no /proc/stat)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    own = os.times()
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK") - own.user - own.system
+
+
+class OthersLoad:
+    """The share of the machine's CPU time that other processes take from now until share():
+    0 on an otherwise idle machine, 1 when they keep every core busy. On a shared machine
+    a multi-threaded CPU timing is worth little above a small share: a thread of a parallel
+    region that waits for a core costs a scheduler slice, milliseconds."""
+
+    def __init__(self):
+        self.start_s, self.start = others_cpu_s(), time.perf_counter()
+
+    def share(self) -> Optional[float]:
+        end_s = others_cpu_s()
+        if end_s is None or self.start_s is None:
+            return None
+        wall = max(time.perf_counter() - self.start, 1e-6)
+        return max(0.0, (end_s - self.start_s) / (wall * (os.cpu_count() or 1)))
+
+
+def wait_for_quiet(max_share: float, max_wait_s: float, window_s: float = 1.0) -> Optional[float]:
+    """Waits until other processes take at most max_share of the CPU over a window, or
+    max_wait_s has passed; returns the last window's share (None without /proc/stat)."""
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        load = OthersLoad()
+        time.sleep(window_s)
+        share = load.share()
+        if share is None or share <= max_share or time.perf_counter() >= deadline:
+            return share
