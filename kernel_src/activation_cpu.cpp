@@ -41,13 +41,27 @@ namespace {
 #endif
 
 template <Gelu GELU, typename A>
-A gelu(A x) {
+[[gnu::always_inline]] inline A gelu(A x) {
   return GELU == Gelu::kTanh ? gelu_tanh(x) : gelu_erf(x);
 }
 
 template <Gelu GELU, typename A>
-A gelu_grad(A x) {
+[[gnu::always_inline]] inline A gelu_grad(A x) {
   return GELU == Gelu::kTanh ? gelu_tanh_grad(x) : gelu_erf_grad(x);
+}
+
+// gelu(x) and gelu'(x) from one Phi (exact) or one sigmoid (tanh): the two functions' values,
+// their shared part evaluated once.
+template <Gelu GELU, typename A>
+[[gnu::always_inline]] inline void gelu_and_grad(A x, A& f, A& g) {
+  if constexpr (std::is_same_v<A, float>) {
+    const float shared = GELU == Gelu::kTanh ? gelu_tanh_sigmoid(x) : normal_cdf(x);
+    f = x * shared;
+    g = GELU == Gelu::kTanh ? gelu_tanh_grad(x, shared) : gelu_erf_grad(x, shared);
+  } else {
+    f = gelu<GELU>(x);
+    g = gelu_grad<GELU>(x);
+  }
 }
 
 // Elements per pass: the passes' fp32 buffers stay in L1 whatever the row's length.
@@ -68,15 +82,21 @@ LTX_ROW_PASS void forward_chunk(const T* g, const T* u, T* y, int64_t m, A* __re
 // dgate = dy * up * gelu'(x) (written to y), dup = dy * gelu(x).
 template <typename T, Gelu GELU, typename A = acc_t<T>>
 LTX_ROW_PASS void backward_chunk(const T* g, const T* u, const T* dy, T* y, T* du, int64_t m, A* __restrict d,
-                    A* __restrict f) {
+                                 A* __restrict f, A* __restrict grad) {
   for (int64_t i = 0; i < m; ++i) d[i] = static_cast<A>(dy[i]);
   if (du != nullptr) {
-    for (int64_t i = 0; i < m; ++i) f[i] = d[i] * gelu<GELU>(static_cast<A>(g[i]));
+    for (int64_t i = 0; i < m; ++i) {
+      A value;
+      gelu_and_grad<GELU>(static_cast<A>(g[i]), value, grad[i]);
+      f[i] = d[i] * value;
+    }
+  } else {
+    for (int64_t i = 0; i < m; ++i) grad[i] = gelu_grad<GELU>(static_cast<A>(g[i]));
   }
   if (u != nullptr) {
     for (int64_t i = 0; i < m; ++i) d[i] *= static_cast<A>(u[i]);
   }
-  for (int64_t i = 0; i < m; ++i) y[i] = static_cast<T>(d[i] * gelu_grad<GELU>(static_cast<A>(g[i])));
+  for (int64_t i = 0; i < m; ++i) y[i] = static_cast<T>(d[i] * grad[i]);
   if (du != nullptr) {
     for (int64_t i = 0; i < m; ++i) du[i] = static_cast<T>(f[i]);
   }
@@ -90,9 +110,11 @@ void run(const ActivationArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* out = static_cast<T*>(a.out);
   T* up_grad = static_cast<T*>(a.up_grad);
-  const int64_t grain = std::max<int64_t>(1, 32768 / a.cols);
+  // About 8k elements per task: a GELU costs some ten times a norm's element, so a quarter
+  // of the norms' grain already outweighs a thread hand-off.
+  const int64_t grain = std::max<int64_t>(1, 8192 / a.cols);
   parallel_rows(0, a.rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> buffers(2 * kChunk);
+    std::vector<A> buffers(3 * kChunk);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t k = 0; k < a.cols; k += kChunk) {
         const int64_t m = std::min(kChunk, a.cols - k);
@@ -104,7 +126,7 @@ void run(const ActivationArgs& a) {
         } else {
           T* du = up_grad != nullptr ? up_grad + r * a.up_grad_stride + k : nullptr;
           backward_chunk<T, GELU>(g, u, grad + r * a.grad_stride + k, y, du, m, buffers.data(),
-                                  buffers.data() + kChunk);
+                                  buffers.data() + kChunk, buffers.data() + 2 * kChunk);
         }
       }
     }

@@ -134,23 +134,30 @@ LTX_HOST_DEVICE float gelu_tanh_arg(float x) {
   return kSqrt2OverPi * (x + kCoeff * x * x * x);
 }
 
-LTX_HOST_DEVICE float gelu_tanh(float x) { return x * sigmoid(2.f * gelu_tanh_arg(x)); }
+// sigmoid(2u): gelu_tanh(x) is x times it.
+LTX_HOST_DEVICE float gelu_tanh_sigmoid(float x) { return sigmoid(2.f * gelu_tanh_arg(x)); }
 
-// d gelu / dx = Phi(x) + x phi(x), phi(x) = 2^(-kHalfLog2e x^2 + log2(1 / sqrt(2 pi))).
-LTX_HOST_DEVICE float gelu_erf_grad(float x) {
+LTX_HOST_DEVICE float gelu_tanh(float x) { return x * gelu_tanh_sigmoid(x); }
+
+// d gelu / dx = Phi(x) + x phi(x), phi(x) = 2^(-kHalfLog2e x^2 + log2(1 / sqrt(2 pi))); from
+// Phi(x) already computed (gelu's own), or computing it.
+LTX_HOST_DEVICE float gelu_erf_grad(float x, float phi) {
   constexpr float kLog2InvSqrt2Pi = -1.32574806473616424f;
-  return normal_cdf(x) + x * exp2_approx(-kHalfLog2e * (x * x) + kLog2InvSqrt2Pi);
+  return phi + x * exp2_approx(-kHalfLog2e * (x * x) + kLog2InvSqrt2Pi);
 }
 
-// d/dx x * s(x), s = sigmoid(2u): s + x * 2 u' * s * (1 - s). The factor s * (1 - s),
-// exactly 0 for |x| past ~10, comes before u' (inf once x * x overflows), so that the
-// result is 0 or 1 there as PyTorch's is, not inf * 0.
-LTX_HOST_DEVICE float gelu_tanh_grad(float x) {
+LTX_HOST_DEVICE float gelu_erf_grad(float x) { return gelu_erf_grad(x, normal_cdf(x)); }
+
+// d/dx x * s(x), s = sigmoid(2u): s + x * 2 u' * s * (1 - s), from s or computing it. The
+// factor s * (1 - s), exactly 0 for |x| past ~10, comes before u' (inf once x * x
+// overflows), so that the result is 0 or 1 there as PyTorch's is, not inf * 0.
+LTX_HOST_DEVICE float gelu_tanh_grad(float x, float s) {
   constexpr float kSqrt2OverPi = 0.79788456080286536f;
   constexpr float kCoeff = 0.044715f;
-  const float s = sigmoid(2.f * gelu_tanh_arg(x));
   const float du = kSqrt2OverPi * (1.f + 3.f * kCoeff * x * x);
   return s + 2.f * x * s * (1.f - s) * du;
 }
+
+LTX_HOST_DEVICE float gelu_tanh_grad(float x) { return gelu_tanh_grad(x, gelu_tanh_sigmoid(x)); }
 
 }  // namespace ltx

@@ -29,61 +29,77 @@ template <int64_t S, typename A, typename In>
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<A>(in[i * S]);
 }
 
-// y[i S] = a[i] cos[i S] + b[i] (sign sin[i S]): sign * sin is sin or its exact negation.
-template <int64_t S, typename T, typename C, typename A>
-[[gnu::always_inline]] inline void rotate_pass(T* y, const A* __restrict a, const A* __restrict b, const C* cos, const C* sin, A sign, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    y[i * S] = static_cast<T>(a[i] * static_cast<A>(cos[i * S]) + b[i] * (sign * static_cast<A>(sin[i * S])));
+// A token's table row as the pairs' two outputs read it: out[first] = x0 c1 + x1 t1,
+// out[second] = x1 c2 + x0 t2, the sines (t1, t2) = (-sin[first], sin[second]), or for the
+// inverse (the backward) swapped: (sin[second], -sin[first]). Converted once for all of a
+// token's heads; a sine times -1 is its exact negation.
+template <int64_t S, typename A, typename C>
+[[gnu::always_inline]] inline void load_table(const C* cos, const C* sin, int64_t first, int64_t second, int64_t n,
+                                              bool inverse, A* __restrict c1, A* __restrict c2, A* __restrict t1,
+                                              A* __restrict t2) {
+  load_strided<S>(c1, cos + first, n);
+  load_strided<S>(c2, cos + second, n);
+  load_strided<S>(t1, sin + (inverse ? second : first), n);
+  load_strided<S>(t2, sin + (inverse ? first : second), n);
+  const A one = 1;
+  const A sign1 = inverse ? one : -one, sign2 = -sign1;
+  for (int64_t i = 0; i < n; ++i) t1[i] *= sign1;
+  for (int64_t i = 0; i < n; ++i) t2[i] *= sign2;
+}
+
+// One head's pairs; `out` may be `in`: the pairs are read into x0 and x1 before anything
+// is written.
+template <int64_t S, typename T, typename A, typename In>
+[[gnu::always_inline]] inline void rotate_head(const In* in, T* out, int64_t first, int64_t second, int64_t n,
+                                               const A* __restrict c1, const A* __restrict c2, const A* __restrict t1,
+                                               const A* __restrict t2, A* __restrict x0, A* __restrict x1) {
+  load_strided<S>(x0, in + first, n);
+  load_strided<S>(x1, in + second, n);
+  for (int64_t i = 0; i < n; ++i) out[first + i * S] = static_cast<T>(x0[i] * c1[i] + x1[i] * t1[i]);
+  for (int64_t i = 0; i < n; ++i) out[second + i * S] = static_cast<T>(x1[i] * c2[i] + x0[i] * t2[i]);
+}
+
+// Tokens [begin, end): the token's table row, then every head of q and k at that token.
+template <int64_t S, typename T, typename C, typename A = acc_t<T>>
+[[gnu::always_inline]] inline void rotate_tokens_with(const RopeArgs& a, int64_t first, int64_t second, int64_t begin,
+                                                      int64_t end) {
+  const int64_t pairs = a.rotary_dim / 2;
+  std::vector<A> buffer(6 * pairs);
+  A* c1 = buffer.data();
+  A *c2 = c1 + pairs, *t1 = c2 + pairs, *t2 = t1 + pairs, *x0 = t2 + pairs, *x1 = x0 + pairs;
+  for (int64_t token = begin; token < end; ++token) {
+    const int64_t b = token / a.seq;
+    const int64_t s = token - b * a.seq;
+    const int64_t table = b * a.table_b + s * a.table_s;
+    load_table<S>(static_cast<const C*>(a.cos) + table, static_cast<const C*>(a.sin) + table, first, second, pairs,
+                  a.inverse, c1, c2, t1, t2);
+    for (const RopeTensor* t : {&a.q, &a.k}) {
+      for (int64_t h = 0; h < t->heads; ++h) {
+        const T* in = static_cast<const T*>(t->in) + b * t->in_b + h * t->in_h + s * t->in_s;
+        T* out = static_cast<T*>(t->out) + b * t->out_b + h * t->out_h + s * t->out_s;
+        rotate_head<S>(in, out, first, second, pairs, c1, c2, t1, t2, x0, x1);
+        if (out != in) {
+          for (int64_t i = a.rotary_dim; i < a.head_dim; ++i) out[i] = in[i];
+        }
+      }
+    }
   }
 }
 
-// out[first] = x0 cos[first] - x1 s0, out[second] = x1 cos[second] + x0 s1, with (s0, s1) the
-// sines (sin[first], sin[second]), or for the inverse (the backward) swapped and negated.
-// `out` may be `in`: the pairs are read into x0 and x1 before anything is written.
-template <int64_t S, typename T, typename C, typename A, typename In>
-[[gnu::always_inline]] inline void rotate_pairs(const In* in, T* out, const C* cos, const C* sin, int64_t first, int64_t second, int64_t n,
-                  bool inverse, A* x0, A* x1) {
-  load_strided<S>(x0, in + first, n);
-  load_strided<S>(x1, in + second, n);
-  const A one = 1;
-  rotate_pass<S>(out + first, x0, x1, cos + first, sin + (inverse ? second : first), inverse ? one : -one, n);
-  rotate_pass<S>(out + second, x1, x0, cos + second, sin + (inverse ? first : second), inverse ? -one : one, n);
-}
-
 template <typename T, typename C>
-LTX_ROW_PASS void rotate_rows(const RopeArgs& a, const RopeTensor& t, int64_t begin, int64_t end) {
-  using A = acc_t<T>;
-  const T* in_base = static_cast<const T*>(t.in);
-  T* out_base = static_cast<T*>(t.out);
-  const int64_t per_batch = t.heads * a.seq;
-  const int64_t pairs = a.rotary_dim / 2;
-  std::vector<A> buffer(2 * pairs);
-  for (int64_t r = begin; r < end; ++r) {
-    const int64_t b = r / per_batch;
-    const int64_t h = (r - b * per_batch) / a.seq;
-    const int64_t s = r - b * per_batch - h * a.seq;
-    const T* in = in_base + b * t.in_b + h * t.in_h + s * t.in_s;
-    T* out = out_base + b * t.out_b + h * t.out_h + s * t.out_s;
-    const C* cos = static_cast<const C*>(a.cos) + b * a.table_b + s * a.table_s;
-    const C* sin = static_cast<const C*>(a.sin) + b * a.table_b + s * a.table_s;
-    if (a.interleaved) {
-      rotate_pairs<2>(in, out, cos, sin, 0, 1, pairs, a.inverse, buffer.data(), buffer.data() + pairs);
-    } else {
-      rotate_pairs<1>(in, out, cos, sin, 0, pairs, pairs, a.inverse, buffer.data(), buffer.data() + pairs);
-    }
-    if (out != in) {
-      for (int64_t i = a.rotary_dim; i < a.head_dim; ++i) out[i] = in[i];
-    }
+LTX_ROW_PASS void rotate_tokens(const RopeArgs& a, int64_t begin, int64_t end) {
+  if (a.interleaved) {
+    rotate_tokens_with<2, T, C>(a, 0, 1, begin, end);
+  } else {
+    rotate_tokens_with<1, T, C>(a, 0, a.rotary_dim / 2, begin, end);
   }
 }
 
 template <typename T, typename C>
 void run(const RopeArgs& a) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / a.head_dim);
-  for (const RopeTensor* t : {&a.q, &a.k}) {
-    parallel_rows(0, a.batch * t->heads * a.seq, grain,
-                     [&](int64_t begin, int64_t end) { rotate_rows<T, C>(a, *t, begin, end); });
-  }
+  // About 16k elements per task, a token's heads of q and k at a time.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, (a.q.heads + a.k.heads) * a.head_dim));
+  parallel_rows(0, a.batch * a.seq, grain, [&](int64_t begin, int64_t end) { rotate_tokens<T, C>(a, begin, end); });
 }
 
 // Lanes of the sum of squares: independent partial sums that GCC vectorises, where one
@@ -95,8 +111,9 @@ LTX_ROW_PASS void qk_norm_rope_rows(const QkNormRopeArgs& a, bool is_q, int64_t 
   using A = acc_t<T>;
   const int64_t n = a.channels;
   const A inv_channels = A(1) / static_cast<A>(n);  // a.inv_channels in fp32
-  std::vector<A> buffer(2 * n);
+  std::vector<A> buffer(4 * n);
   A* __restrict normed = buffer.data();
+  A *c1 = normed + n, *c2 = c1 + n / 2, *t1 = c2 + n / 2, *t2 = t1 + n / 2, *x0 = t2 + n / 2, *x1 = x0 + n / 2;
   for (int64_t r = begin; r < end; ++r) {
     const T* x = static_cast<const T*>(is_q ? a.q : a.k) + r * (is_q ? a.q_stride : a.k_stride);
     T* y = static_cast<T*>(is_q ? a.q_out : a.k_out) + r * (is_q ? a.q_out_stride : a.k_out_stride);
@@ -117,7 +134,8 @@ LTX_ROW_PASS void qk_norm_rope_rows(const QkNormRopeArgs& a, bool is_q, int64_t 
     for (int64_t k = 0; k < n; ++k) {  // torch.nn.RMSNorm's output, rounded to the dtype
       normed[k] = static_cast<A>(static_cast<T>(normed[k] * rstd * static_cast<A>(w[k])));
     }
-    rotate_pairs<2>(normed, y, cos, sin, 0, 1, n / 2, false, buffer.data() + n, buffer.data() + n + n / 2);
+    load_table<2>(cos, sin, 0, 1, n / 2, false, c1, c2, t1, t2);
+    rotate_head<2>(normed, y, 0, 1, n / 2, c1, c2, t1, t2, x0, x1);
   }
 }
 
