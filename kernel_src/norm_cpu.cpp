@@ -140,6 +140,13 @@ LTX_ROW_PASS void norm_rows(const NormArgs& a, NormWriter<T, W, O> write, int64_
     const T* res = row_of<T>(a.residual, r, a.residual_stride);
     const T* gate = modulation_row<T>(a.gate, batch, token);
     const A* row = v;
+    if (res != nullptr && !a.normed) {  // the gated residual alone: the sum, rounded and stored
+      T* res_out = static_cast<T*>(a.residual_out) + r * a.residual_out_stride;
+      for (int64_t k = 0; k < n; ++k) {
+        res_out[k] = static_cast<T>(static_cast<A>(res[k]) + static_cast<A>(x[k]) * static_cast<A>(gate[k]));
+      }
+      continue;
+    }
     if (res != nullptr) {  // the sum rounded to the dtype, stored and normed
       T* res_out = static_cast<T*>(a.residual_out) + r * a.residual_out_stride;
       if (gate != nullptr) {
@@ -189,11 +196,10 @@ LTX_ROW_PASS void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, i
                                      A* shift_acc, A* gate_acc) {
   const int64_t n = a.cols;
   const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
-  std::vector<A> buffers(4 * n);
+  std::vector<A> buffers(3 * n);
   A* __restrict centred = buffers.data();  // x - mean, then the normed row
   A* __restrict dy = centred + n;
-  A* __restrict dn = dy + n;  // dy times the row's factor
-  A* __restrict d = dn + n;   // dx before its rounding
+  A* __restrict dn = dy + n;  // dy times the row's factor, then dx before its rounding, then dr * x
   const W* w = static_cast<const W*>(a.weight);
   const A offset = a.factor_offset;
   for (int64_t r = begin; r < end; ++r) {
@@ -218,38 +224,42 @@ LTX_ROW_PASS void norm_backward_rows(const NormBackwardArgs& a, int64_t begin, i
     // fp32 statistics would leave their grads fp32-accurate.
     const float* saved = a.stats != nullptr && !std::is_same_v<A, double> ? a.stats + 2 * r : nullptr;
     const A mean = saved != nullptr ? saved[0] : layer ? row_mean<A>(centred, n, inv_cols) : 0;
-    for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
+    if (mean != A(0)) {  // subtracting 0 would change no bit
+      for (int64_t k = 0; k < n; ++k) centred[k] -= mean;
+    }
     const A rstd = saved != nullptr ? saved[1]
                    : normed_row ? A(1) / std::sqrt(sum_of<A>(centred, n, 0, true) * inv_cols + a.eps)
                                 : A(1);
     const A mean_dn_n = normed_row ? dot(dn, centred, n) * rstd * inv_cols : 0;
     const A mean_dn = layer ? sum_of<A>(dn, n, 0, false) * inv_cols : 0;
 
+    // dn becomes dx before its rounding: without a norm dn as is (an infinite x times a zero
+    // mean_dn_n would make it NaN)
     if (normed_row) {
-      for (int64_t k = 0; k < n; ++k) d[k] = rstd * (dn[k] - mean_dn - centred[k] * rstd * mean_dn_n);
-    } else {  // dn as is: an infinite x times a zero mean_dn_n would make it NaN
-      for (int64_t k = 0; k < n; ++k) d[k] = dn[k];
+      for (int64_t k = 0; k < n; ++k) dn[k] = rstd * (dn[k] - mean_dn - centred[k] * rstd * mean_dn_n);
     }
     if (extra != nullptr) {
-      for (int64_t k = 0; k < n; ++k) d[k] += static_cast<A>(extra[k]);
+      for (int64_t k = 0; k < n; ++k) dn[k] += static_cast<A>(extra[k]);
     }
     T* dx = static_cast<T*>(a.grad_input) + r * n;
-    for (int64_t k = 0; k < n; ++k) dx[k] = static_cast<T>(d[k]);
+    for (int64_t k = 0; k < n; ++k) dx[k] = static_cast<T>(dn[k]);
     if (const T* gate = modulation_row<T>(a.gate, batch, token); gate != nullptr) {
       // from dx as stored, as gated_residual_backward would read it
       const T* gated = row_of<T>(a.gate_input, r, a.gate_input_stride);
       T* gated_grad = static_cast<T*>(a.gate_input_grad) + r * n;
       for (int64_t k = 0; k < n; ++k) gated_grad[k] = static_cast<T>(static_cast<A>(dx[k]) * static_cast<A>(gate[k]));
-      for (int64_t k = 0; k < n; ++k) d[k] = static_cast<A>(dx[k]) * static_cast<A>(gated[k]);  // dr * x
+      for (int64_t k = 0; k < n; ++k) dn[k] = static_cast<A>(dx[k]) * static_cast<A>(gated[k]);  // dr * x
       if (a.gate_rows != nullptr) {
         T* gate_row = static_cast<T*>(a.gate_rows) + r * n;
-        for (int64_t k = 0; k < n; ++k) gate_row[k] = static_cast<T>(d[k]);
+        for (int64_t k = 0; k < n; ++k) gate_row[k] = static_cast<T>(dn[k]);
       }
       if (gate_acc != nullptr) {
-        for (int64_t k = 0; k < n; ++k) gate_acc[k] += d[k];
+        for (int64_t k = 0; k < n; ++k) gate_acc[k] += dn[k];
       }
     }
-    for (int64_t k = 0; k < n; ++k) centred[k] *= rstd;  // the normed row
+    if (rstd != A(1)) {  // the normed row (times 1 it is the row)
+      for (int64_t k = 0; k < n; ++k) centred[k] *= rstd;
+    }
     if (a.cast_before_weight) {
       for (int64_t k = 0; k < n; ++k) centred[k] = static_cast<A>(static_cast<T>(centred[k]));
     }

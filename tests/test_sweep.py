@@ -159,3 +159,47 @@ def test_cpu_times_are_interleaved_medians_per_call():
     assert times["slow"] >= 4000 > 10 * times["fast"]
     batched = harness.cpu_times_us({"fast": fast}, rounds=3, min_batch_us=1000)
     assert calls["fast"] > 9 + 2 + 3 and batched["fast"] < 1000
+
+
+THREAD_PROBE = r"""
+import os, sys, torch
+from pathlib import Path
+from kernels import get_local_kernel
+
+torch.set_num_threads(2)
+ltx = get_local_kernel(Path(sys.argv[1]), backend="cpu")
+x = torch.randn(4096, 4096)
+w = torch.randn(4096)
+ltx.rms_norm(x, w)  # the threads start
+
+
+def cpu_ticks():
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks[tid] = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
+
+
+before = cpu_ticks()
+for _ in range(40):
+    ltx.rms_norm(x, w)
+after = cpu_ticks()
+print(sum(after[tid] - before.get(tid, 0) > 0 for tid in after))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads per-thread CPU time from /proc")
+def test_cpu_twins_run_on_torchs_intra_op_threads(tmp_path):
+    # at::parallel_for runs serially in a library built without -fopenmp; the twins' own
+    # parallel_rows must put a large call on more than the calling thread.
+    import subprocess
+
+    from benchmarks.ops.bench_ops import REPO
+
+    script = tmp_path / "probe.py"
+    script.write_text(THREAD_PROBE)
+    busy_threads = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True,
+                                  check=True, timeout=300).stdout.split()[-1]
+    assert int(busy_threads) >= 2

@@ -82,7 +82,9 @@ def save_sweep_heatmap(report: dict, op: str, rows: Sequence[int], widths: Seque
     timing = "kernel time" if report["on_cuda"] else "wall time"
     norm = TwoSlopeNorm(vmin=math.log2(1 / 1.5), vcenter=0.0, vmax=math.log2(1.5))
     fig, axes = plt.subplots(len(panels), 1, squeeze=False, layout="constrained",
-                             figsize=(3 + 0.22 * len(used_widths), 1.2 + len(panels) * (0.9 + 0.22 * len(used_rows))))
+                             figsize=(max(6.0, 3 + 0.22 * len(used_widths)),
+                                      1.2 + len(panels) * (0.9 + 0.22 * max(len(used_rows), 5))))
+    text_size = 4.5 if len(used_widths) > 20 else 7
     for ax, (backward, dtype) in zip(axes[:, 0], panels):
         grid = [[math.nan] * len(used_widths) for _ in used_rows]
         for c in cells:
@@ -90,7 +92,7 @@ def save_sweep_heatmap(report: dict, op: str, rows: Sequence[int], widths: Seque
                 continue
             i, j = used_rows.index(c["rows"]), used_widths.index(c["width"])
             grid[i][j] = math.log2(c["ratio"])
-            ax.text(j, i, f"{c['ratio']:.2f}", ha="center", va="center", fontsize=4.5)
+            ax.text(j, i, f"{c['ratio']:.2f}", ha="center", va="center", fontsize=text_size)
             if c.get("meets_target") is False:
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.2))
         image = ax.imshow(grid, cmap="RdYlGn_r", norm=norm, aspect="auto", origin="lower")
