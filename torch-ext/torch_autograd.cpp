@@ -19,6 +19,7 @@
 #include "registration.h"
 #include "torch_binding.h"
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -444,6 +445,18 @@ struct Writes<Handle, void(Args...)> {
   }
 };
 
+// A graph node as this torch holds them: in a c10::intrusive_ptr from torch 2.14, in a
+// std::shared_ptr before (Edge::function's type says which).
+using NodePtr = decltype(torch::autograd::Edge::function);
+template <class T, class... A>
+NodePtr make_node(A&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<A>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<A>(args)...);
+  }
+}
+
 // The ops without a derivative: the backward ops and the forwards that also return row
 // statistics. Called on tensors that require grad (a backward with create_graph=True),
 // their outputs get a node that raises when it is reached: double backward is not
@@ -463,8 +476,7 @@ struct NoDerivative<Handle, Ret(Args...)> {
     if (record) {
       variable_list inputs;
       (add_tensor(inputs, args), ...);
-      auto node = c10::make_intrusive<torch::autograd::Error>(message(op_name(op)),
-                                                              torch::autograd::collect_next_edges(inputs));
+      auto node = make_node<torch::autograd::Error>(message(op_name(op)), torch::autograd::collect_next_edges(inputs));
       if constexpr (std::is_same_v<Ret, Tensor>) {
         torch::autograd::set_history(out, node);
       } else {
