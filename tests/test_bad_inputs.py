@@ -1072,13 +1072,13 @@ def results(op, args):
 
 
 def in_float64(op, args):
-    """The call with every tensor in float64 (row statistics stay fp32, as the ops take
-    them; an output dtype follows the input)."""
+    """The call with every tensor in float64 on the CPU, the one device that takes float64
+    (row statistics stay fp32, as the ops take them; an output dtype follows the input)."""
     names = [a.name for a in op._schema.arguments]
     converted = []
     for name, a in zip(names, args):
-        if isinstance(a, torch.Tensor) and name != "stats":
-            a = a.detach().double()
+        if isinstance(a, torch.Tensor):
+            a = a.detach().cpu() if name == "stats" else a.detach().cpu().double()
         elif isinstance(a, torch.dtype):
             a = None
         converted.append(a)
@@ -1099,6 +1099,7 @@ def refuses_or_matches(op, args):
     low = any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16) for a in args)
     tol = 5e-2 if low else 1e-4
     for i, (got, want) in enumerate(zip(ours, expected)):
+        got = got.cpu()
         if got.shape != want.shape:
             return f"result {i} has shape {tuple(got.shape)}, float64 {tuple(want.shape)}"
         scale = want.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if want.numel() else 0.0
