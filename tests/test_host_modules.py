@@ -153,6 +153,30 @@ def test_diffusers_geglu(kernel, device):
     close(kernel.geglu(host.proj(x), "none"), host(x), torch.bfloat16, ulps=3)
 
 
+@pytest.mark.parametrize("layer", ["GEGLU", "DiffusersGELU-none", "DiffusersGELU-tanh"])
+def test_exact_gelu_layers_on_the_cpu_run_the_host(kernel, device, layer, monkeypatch):
+    """The exact-GELU layers hand CPU tensors to the host's forward (PyTorch's erf GELU is
+    the faster there) and run our op on CUDA; the tanh form runs our op on both."""
+    calls = []
+    for name in ("geglu", "gelu"):
+        op = getattr(kernel.layers, name)
+        monkeypatch.setattr(kernel.layers, name, lambda *a, _op=op, **k: calls.append(1) or _op(*a, **k))
+    if layer == "GEGLU":
+        host, forward = GEGLU(64, 96), kernel.layers.GEGLU.forward
+    else:
+        host, forward = GELU(64, 96, approximate=layer.split("-")[1]), kernel.layers.DiffusersGELU.forward
+    host = randomised(host, device, torch.float32)
+    x = torch.randn(3, 10, 64, device=device)
+    with torch.no_grad():
+        y = forward(host, x)
+        expected = host(x)
+    assert bool(calls) == (device == "cuda" or layer.endswith("tanh"))
+    if calls:
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(y, expected)
+
+
 def test_diffusers_gelu_tanh(kernel, device):
     host = randomised(GELU(64, 128, approximate="tanh"), device, torch.bfloat16)
     x = torch.randn(3, 10, 64, device=device, dtype=torch.bfloat16)

@@ -24,7 +24,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from . import activations, norms, rope
 from ._autograd import records_grad
+from ._ops import add_op_namespace_prefix
 from .activations import geglu, gelu
 from .norms import adaln, gated_residual, gated_residual_adaln, rms_norm
 from .rope import qk_norm_rope, rope_rotate_half
@@ -68,17 +70,19 @@ def _vector_of(weight: torch.Tensor, x: torch.Tensor) -> bool:
     return weight.dim() == 1 and weight.size(0) == x.size(-1) and weight.device == x.device
 
 
-# The names the ops' argument checks start their messages with ("rms_norm: ..."): the
-# functional API's and the registered ops'.
-_OP_NAMES = frozenset({
-    "rms_norm", "fused_add_rms_norm", "adaln", "gated_residual", "gated_residual_adaln", "gelu", "gelu_mul",
-    "geglu", "rope", "rope_rotate_half", "rope_interleaved", "qk_norm_rope",
-})
+@functools.lru_cache(maxsize=None)
+def _op_names() -> frozenset:
+    """The names the ops' argument checks start their messages with ("rms_norm: ..."):
+    this build's registered ops and the functional API's public functions."""
+    prefix = add_op_namespace_prefix("")
+    registered = {name[len(prefix):] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix)}
+    functional = {name for module in (activations, norms, rope) for name, value in vars(module).items()
+                  if not name.startswith("_") and getattr(value, "__module__", None) == module.__name__}
+    return frozenset(registered | functional)
 
 
 def _refused_by_an_op(error: Exception) -> bool:
-    name = str(error).split(":", 1)[0].strip()
-    return name in _OP_NAMES or name.removesuffix("_out").removesuffix("_with_stats") in _OP_NAMES
+    return str(error).split(":", 1)[0].strip() in _op_names()
 
 
 def _or_host(forward):
@@ -277,7 +281,7 @@ class DiffusersRMSNorm(nn.Module):
 class GEGLU(nn.Module):
     """For ``diffusers.models.activations.GEGLU`` (SD 1.x/2.x/XL UNets, AnimateDiff,
     Hunyuan-DiT): ``value, gate = proj(x).chunk(2, -1)``, ``value * gelu(gate)`` with the
-    exact (erf) GELU, in one pass over the projection's output."""
+    exact (erf) GELU, in one pass over the projection's output; on the CPU, the host's."""
 
     proj: nn.Linear
 
@@ -286,8 +290,10 @@ class GEGLU(nn.Module):
 
     @_or_host
     def forward(self, hidden_states, *args, **kwargs):
-        if args or kwargs.get("scale") is not None:
-            return _host(self).forward(self, hidden_states, *args, **kwargs)  # the host warns about `scale`
+        if args or kwargs.get("scale") is not None or hidden_states.is_cpu:
+            # the host warns about `scale`; on the CPU PyTorch's erf GELU outruns the twin's
+            # fitted Phi (docs/performance.md, the CPU twins)
+            return _host(self).forward(self, hidden_states, *args, **kwargs)
         hidden_states = self.proj(hidden_states)
         if not _rows(hidden_states):
             hidden_states, gate = hidden_states.chunk(2, dim=-1)  # the host's expression
@@ -326,7 +332,8 @@ class DiffusersGELU(nn.Module):
             flat = hidden_states.reshape(-1, hidden_states.size(-1))
             out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
             return out.view(*hidden_states.shape[:-1], out.size(-1))
-        if self.approximate not in ("none", "tanh") or _under_torch_compile():
+        if (self.approximate not in ("none", "tanh") or _under_torch_compile()
+                or (self.approximate == "none" and hidden_states.is_cpu)):  # as in GEGLU
             return _host(self).forward(self, hidden_states)
         hidden_states = proj(hidden_states)
         if not _rows(hidden_states):
