@@ -16,7 +16,7 @@ def _cases(device):
     cos, sin = torch.randn(6, 32, device=device), torch.randn(6, 32, device=device)
     lq, lk = torch.randn(2, 6, 64, **bf16), torch.randn(2, 6, 64, **bf16)
     lcos, lsin = torch.randn(2, 6, 64, device=device), torch.randn(2, 6, 64, device=device)
-    e = torch.empty_like
+    e = torch.zeros_like  # written outputs start defined: test_fake_checks reads them (as other dtypes)
 
     def g(t):  # a fresh leaf that requires grad
         return t.detach().clone().requires_grad_()
@@ -45,7 +45,7 @@ def _cases(device):
         "gelu_mul": (x, x.clone(), "tanh"),
         "gelu_mul_out": (e(x), x, x.clone(), "tanh"),
         "geglu": (x, "none"),
-        "geglu_out": (torch.empty(2, 6, 32, **bf16), x, "tanh"),
+        "geglu_out": (torch.zeros(2, 6, 32, **bf16), x, "tanh"),
         # Backward ops, and functional ops on inputs that require grad (opcheck then also
         # checks that their autograd formula is registered).
         "rms_norm_backward": (x, x.clone(), w, 1e-6, 0.0, False, None),

@@ -1,12 +1,15 @@
-// Candidate launches of plain RMSNorm rows (no residual, no AdaLN; a weight of the input's
-// dtype or none) beside the production one, built on norm_forward.cuh (the kernels and
-// launch code norm_forward.cu runs), as a torch op library:
-//   torch.ops.norm_variants.run(x, weight, out, eps, cast_before_weight, cached, block)
+// Candidate launches of RMSNorm rows (plain, or after a residual add as fused_add_rms_norm;
+// no AdaLN; a weight of the input's dtype or none) beside the production one, built on
+// norm_forward.cuh (the kernels and launch code norm_forward.cu runs), as a torch op library:
+//   torch.ops.norm_variants.run(x, weight, out, eps, cast_before_weight, cached, per_thread, block)
+//   torch.ops.norm_variants.run_residual(x, residual, weight, out, residual_out, eps,
+//                                        cast_before_weight, cached, per_thread, block)
 // cached = 0 is `launch` (what the package runs). Otherwise `norm_kernel` with `cached`
 // 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
-// covers it, and rows sharing blocks of `block` threads (0: a block a row). The kernels'
-// register bounds are production's (bound_threads, bound_min_blocks): a variant tunes the
-// launch, not the kernel. norm_variants.py builds and times them.
+// covers it at `per_thread` vectors a thread (0: `cached`), and rows sharing blocks of
+// `block` threads (0: a block a row). The kernels' register bounds are production's
+// (bound_threads, bound_min_blocks): a variant tunes the launch, not the kernel.
+// norm_variants.py builds and times them.
 #include "norm_forward.cuh"
 
 #include <torch/library.h>
@@ -16,18 +19,30 @@ namespace norm_variants {
 
 using namespace norm_cuda;
 
-template <typename T, int CACHED>
-void launch_variant(const NormArgs& a, cudaStream_t stream, int block) {
+template <typename T, int CACHED, bool RESIDUAL>
+void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int block) {
   constexpr int V = kVec16<T>;
   TORCH_CHECK((vectorizable<T, T, T, V>(a)), "norm_variants: 16-byte aligned rows only");
-  constexpr int kMaxThreads = bound_threads(CACHED, false, false);  // the kernel's __launch_bounds__
+  constexpr int kMaxThreads = bound_threads(CACHED, RESIDUAL, false);  // the kernel's __launch_bounds__
   const int64_t nvec = a.cols / V;
-  const RowLaunch cfg = row_launch(nvec, CACHED, kMaxThreads, block);
-  TORCH_CHECK(cfg.threads_per_row * CACHED >= nvec, "norm_variants: ", CACHED, " vectors a thread on at most ",
-              kMaxThreads, " threads do not cover ", nvec, " vectors");
+  const RowLaunch cfg = row_launch(nvec, per_thread > 0 ? per_thread : CACHED, kMaxThreads, block);
+  // Only the four-vector kernel re-reads what its registers do not hold.
+  TORCH_CHECK(CACHED == kCachedVecs || cfg.threads_per_row * CACHED >= nvec, "norm_variants: ", CACHED,
+              " vectors a thread on at most ", kMaxThreads, " threads do not cover ", nvec, " vectors");
   TORCH_CHECK(cfg.block <= kMaxThreads, "norm_variants: blocks of at most ", kMaxThreads, " threads at ", CACHED,
               " vectors a thread");
-  launch_norm_rows(norm_kernel<T, T, T, V, CACHED, NormKind::kRms, false, false>, a, cfg, stream);
+  launch_norm_rows(norm_kernel<T, T, T, V, CACHED, NormKind::kRms, RESIDUAL, false>, a, cfg, stream);
+}
+
+template <typename T, bool RESIDUAL>
+void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thread, int block) {
+  switch (cached) {
+    case 0: return launch<T, T, T, NormKind::kRms, RESIDUAL, false>(a, stream);
+    case 1: return launch_variant<T, 1, RESIDUAL>(a, stream, per_thread, block);
+    case 2: return launch_variant<T, 2, RESIDUAL>(a, stream, per_thread, block);
+    case 4: return launch_variant<T, 4, RESIDUAL>(a, stream, per_thread, block);
+    default: TORCH_CHECK(false, "norm_variants: 0, 1, 2 or 4 vectors a thread, not ", cached);
+  }
 }
 
 // rms_norm_out (norm.h) checks and lays out the arguments as the package's op does, then
@@ -35,6 +50,7 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int block) {
 struct VariantBackend {
   static constexpr c10::DeviceType device = c10::kCUDA;
   static inline int cached = 0;
+  static inline int per_thread = 0;
   static inline int block = 0;
   static void run(const NormArgs& a) {
     TORCH_CHECK(!a.weight_fp32 && !a.out_fp32, "norm_variants: a weight and output of the input's dtype");
@@ -42,22 +58,30 @@ struct VariantBackend {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
     LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_variants", [&] {
       using T = scalar_t;
-      switch (cached) {
-        case 0: return launch<T, T, T, NormKind::kRms, false, false>(a, stream);
-        case 1: return launch_variant<T, 1>(a, stream, block);
-        case 2: return launch_variant<T, 2>(a, stream, block);
-        case 4: return launch_variant<T, 4>(a, stream, block);
-        default: TORCH_CHECK(false, "norm_variants: 0, 1, 2 or 4 vectors a thread, not ", cached);
-      }
+      if (a.residual != nullptr) return launch_any<T, true>(a, stream, cached, per_thread, block);
+      launch_any<T, false>(a, stream, cached, per_thread, block);
     });
   }
 };
 
-void run(const at::Tensor& x, const std::optional<at::Tensor>& weight, at::Tensor out, double eps,
-         bool cast_before_weight, int64_t cached, int64_t block) {
+void choose(int64_t cached, int64_t per_thread, int64_t block) {
   VariantBackend::cached = static_cast<int>(cached);
+  VariantBackend::per_thread = static_cast<int>(per_thread);
   VariantBackend::block = static_cast<int>(block);
+}
+
+void run(const at::Tensor& x, const std::optional<at::Tensor>& weight, at::Tensor out, double eps,
+         bool cast_before_weight, int64_t cached, int64_t per_thread, int64_t block) {
+  choose(cached, per_thread, block);
   rms_norm_out<VariantBackend>(out, x, weight, eps, /*weight_offset=*/0.0, cast_before_weight);
+}
+
+void run_residual(const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+                  at::Tensor out, at::Tensor residual_out, double eps, bool cast_before_weight, int64_t cached,
+                  int64_t per_thread, int64_t block) {
+  choose(cached, per_thread, block);
+  fused_add_rms_norm_out<VariantBackend>(out, residual_out, x, residual, weight, eps, /*weight_offset=*/0.0,
+                                         cast_before_weight);
 }
 
 }  // namespace norm_variants
@@ -65,6 +89,11 @@ void run(const at::Tensor& x, const std::optional<at::Tensor>& weight, at::Tenso
 
 TORCH_LIBRARY(norm_variants, m) {
   m.def("run(Tensor x, Tensor? weight, Tensor(a!) out, float eps, bool cast_before_weight, int cached, "
-        "int block) -> ()");
+        "int per_thread, int block) -> ()");
+  m.def("run_residual(Tensor x, Tensor residual, Tensor? weight, Tensor(a!) out, Tensor(b!) residual_out, "
+        "float eps, bool cast_before_weight, int cached, int per_thread, int block) -> ()");
 }
-TORCH_LIBRARY_IMPL(norm_variants, CUDA, m) { m.impl("run", &ltx::norm_variants::run); }
+TORCH_LIBRARY_IMPL(norm_variants, CUDA, m) {
+  m.impl("run", &ltx::norm_variants::run);
+  m.impl("run_residual", &ltx::norm_variants::run_residual);
+}

@@ -1,13 +1,16 @@
-"""Candidate launches of plain RMSNorm rows (norm_variants.cu) against the production launch
-and torch.compile of the reference (the fastest peer at the fp32 model-shape rows), on a CUDA GPU,
+"""Candidate launches of RMSNorm rows (norm_variants.cu), plain or after a residual add
+(fused_add_rms_norm), against the production launch and torch.compile of the reference (the
+fastest peer at the fp32 model-shape rows; Liger too for the residual rows), on a CUDA GPU,
 in one process: kernel time by CUDA-graph replay with inputs rotated past L2 (harness.py),
 alternating the order between rounds, % of the copy bandwidth measured in the same run,
 and each variant's max error against fp64 next to production's.
 
     python -m benchmarks.tuning.norm_variants [--variants 0/0,2/512,4/512] [--shapes fp32|all]
+    python -m benchmarks.tuning.norm_variants --shapes residual --variants 0/0,2/0,4/2/0
 
-A variant is CACHED/BLOCK: 16-byte vectors a thread of `norm_kernel` (0: the package's
-launch) and the threads of a block that rows share (0: a block a row). The .cu is built with
+A variant is CACHED/BLOCK or CACHED/PER_THREAD/BLOCK: 16-byte vectors a thread of
+`norm_kernel` holds (0: the package's launch), the vectors a thread the row's threads are
+counted for (default CACHED) and the threads of a block that rows share (0: a block a row). The .cu is built with
 nvcc against this python's torch into .build-cache/norm_variants (sm of the GPU only) and
 loaded as a torch op library. Tune a launch here, then port the winner into
 norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package build.
@@ -31,7 +34,12 @@ SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float3
                    (1024, 2048, torch.float32, True), (4096, 4096, torch.float32, True),
                    (32768, 4096, torch.float32, True)],
           "bf16": [(5376, 2048, torch.bfloat16, False), (8192, 4096, torch.bfloat16, True),
-                   (32768, 4096, torch.bfloat16, True), (4096, 4096, torch.bfloat16, True)]}
+                   (32768, 4096, torch.bfloat16, True), (4096, 4096, torch.bfloat16, True)],
+          # fused_add_rms_norm (weighted, Llama's order): decode steps and prefill batches
+          # over the LLM widths where compile's fused add + norm is the peer to beat.
+          "residual": [(rows, d, torch.bfloat16, True) for rows in (1, 4, 8192)
+                       for d in (4096, 5120, 6144, 7168, 8192)]}
+SMALL_SETS = 192  # rotated input sets at most (as the sweep): decode rows would want thousands
 
 
 def reference(ltx, weighted):
@@ -42,47 +50,64 @@ def reference(ltx, weighted):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="0/0,2/0,2/512,2/1024,4/0,4/256,4/512,4/1024,1/0,1/256")
-    parser.add_argument("--shapes", choices=["fp32", "bf16", "all"], default="fp32")
+    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "all"], default="fp32")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
-    run = torch.ops.norm_variants.run
+    run, run_residual = torch.ops.norm_variants.run, torch.ops.norm_variants.run_residual
     from kernels import get_local_kernel
 
     ltx = get_local_kernel(REPO)  # for its reference module
     bandwidth = harness.copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
+    residual_rows = args.shapes == "residual"
+    liger = bench_ops.load_libraries(on_cuda=True).attr("liger", "LigerFusedAddRMSNormFunction")
 
-    def variant(cached, block):
+    def variant(spec):
+        cached, *launch = (int(v) for v in spec.split("/"))
+        per_thread, block = launch if len(launch) == 2 else (0, launch[0])
+
         def factory(inputs):
+            # cast_before_weight: the Llama order, as bench_ops calls the weighted rows
+            if residual_rows:
+                x, r, w = inputs
+                out, r_out = torch.empty_like(x), torch.empty_like(x)
+                return lambda: (run_residual(x, r, w, out, r_out, 1e-6, True, cached, per_thread, block), out)[1]
             x, w = inputs
             out = torch.empty_like(x)
-
-            def call():
-                # cast_before_weight: the Llama order, as bench_ops calls the weighted rows
-                run(x, w, out, 1e-6, w is not None, cached, block)
-                return out
-            return call
+            return lambda: (run(x, w, out, 1e-6, w is not None, cached, per_thread, block), out)[1]
         return factory
 
+    def fused_add(x, r, w):
+        return reference(ltx, True)(x + r, w)
+
     def compiled(weighted):
-        fn = torch.compile(reference(ltx, weighted), dynamic=False)
+        fn = torch.compile(fused_add if residual_rows else reference(ltx, weighted), dynamic=False)
         return lambda inputs: (lambda: fn(*[t for t in inputs if t is not None]))
 
     shapes = SHAPES["fp32"] + SHAPES["bf16"] if args.shapes == "all" else SHAPES[args.shapes]
     for rows, d, dtype, weighted in shapes:
         def inputs():
             x = torch.randn(rows, d, device="cuda", dtype=dtype)
-            return x, (1 + 0.1 * torch.randn(d, device="cuda", dtype=dtype)) if weighted else None
+            w = (1 + 0.1 * torch.randn(d, device="cuda", dtype=dtype)) if weighted else None
+            return (x, torch.randn_like(x), w) if residual_rows else (x, w)
 
         first = inputs()
-        nbytes = 2 * first[0].numel() * first[0].element_size() + (d * first[0].element_size() if weighted else 0)
-        copies = harness.copies_for_cold_l2(nbytes // 2)
+        row_bytes = first[0].numel() * first[0].element_size()
+        # in and out (the residual's two more), and the weight
+        nbytes = (4 if residual_rows else 2) * row_bytes + (d * first[0].element_size() if weighted else 0)
+        copies = harness.copies_for_cold_l2(nbytes // 2, cap=SMALL_SETS)
         sets = [first] + [inputs() for _ in range(copies - 1)]
-        expected = reference(ltx, weighted)(*[t.double() for t in first if t is not None])
+        if residual_rows:
+            expected = fused_add(*[t.double() for t in first])
+        else:
+            expected = reference(ltx, weighted)(*[t.double() for t in first if t is not None])
         impls = [("compile", compiled(weighted))]
-        impls += [(spec, variant(*(int(v) for v in spec.split("/")))) for spec in args.variants.split(",")]
-        print(f"\n{rows}x{d} {str(dtype)[6:]}{'' if weighted else ' no weight'}, {nbytes / 1e6:.1f} MB")
+        if residual_rows and liger is not None:
+            impls.append(("liger", lambda inputs: (lambda: liger.apply(*inputs, 1e-6, 0.0, "llama")[0])))
+        impls += [(spec, variant(spec)) for spec in args.variants.split(",")]
+        print(f"\n{rows}x{d} {str(dtype)[6:]}{'' if weighted else ' no weight'}"
+              f"{' after a residual add' if residual_rows else ''}, {nbytes / 1e6:.3f} MB, {len(sets)} sets")
         errors, skipped = {}, {}
         for name, factory in impls:
             try:

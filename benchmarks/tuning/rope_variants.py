@@ -4,7 +4,7 @@ rotated past L2 (harness.py), % of the copy bandwidth measured in the same run, 
 variant's output checked bit-equal to the production kernel's first (HALF_TABLE variants
 too: the tables' halves are equal here, as in transformers').
 
-    python -m benchmarks.tuning.rope_variants [--variants 0/1,3/1,3/4] [--shapes big|small|all]
+    python -m benchmarks.tuning.rope_variants [--variants 0/1,3/1,3/4] [--shapes big|small|decode|all]
 
 A variant is NUMBER/HEAD_BLOCKS (blocks a token's heads are spread over). The .cu is built
 with nvcc against this python's torch into .build-cache/rope_variants (about 30 s, sm of the
@@ -30,13 +30,16 @@ NAMES = {0: "production", 1: "4 heads, 160 threads", 2: "4 heads, left half of t
 SHAPES = {"big": [(1, 32, 8, 8192, 128, torch.bfloat16), (4, 32, 8, 4096, 128, torch.bfloat16),
                   (1, 32, 8, 8192, 128, torch.float16)],
           "small": [(1, 32, 8, 128, 128, torch.bfloat16), (1, 32, 8, 1, 128, torch.bfloat16),
-                    (1, 32, 8, 1024, 128, torch.bfloat16), (1, 32, 32, 16, 128, torch.bfloat16)]}
+                    (1, 32, 8, 1024, 128, torch.bfloat16), (1, 32, 32, 16, 128, torch.bfloat16)],
+          # a decode step: one token of each of a few sequences (Llama-8B's heads)
+          "decode": [(b, 32, 8, 1, 128, torch.bfloat16) for b in (1, 2, 4, 8)]}
+SMALL_SETS = 192  # rotated input sets at most (as the sweep): decode inputs would want thousands
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="0/1,1/1,2/1,3/1,3/4,4/1,5/1,6/4,7/4,8/1")
-    parser.add_argument("--shapes", choices=["big", "small", "all"], default="all")
+    parser.add_argument("--shapes", choices=["big", "small", "decode", "all"], default="all")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
@@ -67,7 +70,7 @@ def main():
     for b, hq, hkv, s, d, dtype in shapes:
         first = bench_ops.rotate_half_inputs(b, hq, hkv, s, d, "cuda", dtype)
         nbytes = bench_ops.size_of(first) + bench_ops.size_of(first[:2])  # q, k written back
-        copies = harness.copies_for_cold_l2(nbytes)
+        copies = harness.copies_for_cold_l2(nbytes, cap=SMALL_SETS)
         sets = [first] + [bench_ops.rotate_half_inputs(b, hq, hkv, s, d, "cuda", dtype) for _ in range(copies - 1)]
         reference = ours(0, 1)(first)()
         reference = tuple(x.clone() for x in reference)
