@@ -1054,6 +1054,10 @@ def op_samples(kernel, device):
         "gelu_backward": [g, x, "none"],
         "gelu_mul_backward": [g, x, res, "tanh"],
         "geglu_backward": [g, wide, "tanh"],
+        "quantize_fp8": [x],
+        "quantize_fp8_static": [x, torch.tensor([0.05], device=device)],
+        "rms_norm_fp8": [x, w, EPS, 0.0, True],
+        "rms_norm_fp8_static": [x, w.float(), EPS, 1.0, False, torch.tensor([0.05], device=device)],
     }
 
 
@@ -1071,14 +1075,21 @@ def results(op, args):
     return returned + [args[i] for i, _, written in tensor_args(op) if written]
 
 
+# The ops without a float64 form (FP8 has no float64 meaning): their reference is the call
+# in float32 on the CPU, whose math they share.
+FP32_REFERENCE_OPS = {"quantize_fp8", "quantize_fp8_static", "rms_norm_fp8", "rms_norm_fp8_static"}
+
+
 def in_float64(op, args):
     """The call with every tensor in float64 on the CPU, the one device that takes float64
-    (row statistics stay fp32, as the ops take them; an output dtype follows the input)."""
+    (row statistics stay fp32, as the ops take them; an output dtype follows the input), or
+    in float32 for the FP32_REFERENCE_OPS."""
     names = [a.name for a in op._schema.arguments]
+    wide = torch.float32 if op._schema.name.split("::")[-1] in FP32_REFERENCE_OPS else torch.float64
     converted = []
     for name, a in zip(names, args):
         if isinstance(a, torch.Tensor):
-            a = a.detach().cpu() if name == "stats" else a.detach().cpu().double()
+            a = a.detach().cpu() if name == "stats" else a.detach().cpu().to(wide)
         elif isinstance(a, torch.dtype):
             a = None
         converted.append(a)
@@ -1099,7 +1110,7 @@ def refuses_or_matches(op, args):
     low = any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16) for a in args)
     tol = 5e-2 if low else 1e-4
     for i, (got, want) in enumerate(zip(ours, expected)):
-        got = got.cpu()
+        got, want = got.cpu(), want.double()
         if got.shape != want.shape:
             return f"result {i} has shape {tuple(got.shape)}, float64 {tuple(want.shape)}"
         scale = want.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if want.numel() else 0.0
@@ -1261,6 +1272,11 @@ def test_every_registered_op_without_a_backward_refuses_double_backward(kernel, 
         if name in DIFFERENTIABLE_OPS or any(w for *_, w in tensor_args(op)):
             continue
         args = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in samples[name]]
+        if name in FP32_REFERENCE_OPS:  # FP8 outputs: the call itself refuses (test_fp8.py)
+            with pytest.raises(RuntimeError, match=rf"^{name}: input requires grad, but FP8 outputs are not "
+                               "differentiable"):
+                op(*args)
+            continue
         outputs = results(op, args)
         assert all(o.grad_fn is not None for o in outputs), name
         loss = sum(o.float().sum() for o in outputs)
