@@ -1,13 +1,10 @@
 // FP8 quantization on CUDA (see fp8.h): a row per lane group, warp or block, as its width
 // needs. Each thread keeps up to kCachedVecs 16-byte vectors of its row in registers from
 // the amax reduction to the write, re-reading any further ones (from L1/L2); rows that are
-// not 16-byte aligned take the scalar path. Conversion by cuda_fp8.h, saturating (every
-// arch: below sm_89 it is emulated, and the op refuses those GPUs anyway).
+// not 16-byte aligned take the scalar path. Reductions and stores: fp8_cuda.cuh.
 #include "cuda_common.cuh"
 #include "fp8.h"
-#include "fp8_math.h"
-
-#include <cuda_fp8.h>
+#include "fp8_cuda.cuh"
 
 namespace ltx {
 namespace {
@@ -24,41 +21,6 @@ struct Fp8Params {
   int64_t rows, input_stride, cols;
   int nvec;                  // vectors per row
 };
-
-// fp8_amax_step over a row's threads (a power of two of consecutive threads; rows of more
-// than a warp take the whole block), every thread getting the result.
-__device__ __forceinline__ float row_amax(float v, int threads_per_row, float* scratch) {
-  for (int offset = min(threads_per_row, 32) / 2; offset > 0; offset /= 2) {
-    v = fp8_amax_step(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  if (threads_per_row <= 32) return v;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < threads_per_row / 32 ? scratch[lane] : 0.f;
-  for (int offset = 16; offset > 0; offset /= 2) v = fp8_amax_step(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-// Stores VEC fp8 bytes packed into 32-bit words, built in registers (an array of bytes
-// went through local memory on sm_80, where the conversion is emulated).
-template <int VEC>
-__device__ __forceinline__ void store_fp8(uint8_t* row, int i, const float (&f)[VEC], float scale) {
-  uint32_t words[(VEC + 3) / 4] = {};
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const uint32_t byte = __nv_cvt_float_to_fp8(fp8_scaled(f[j], scale), __NV_SATFINITE, __NV_E4M3);
-    words[j / 4] |= byte << (8 * (j % 4));
-  }
-  if constexpr (VEC == 8) {
-    reinterpret_cast<uint2*>(row)[i] = make_uint2(words[0], words[1]);
-  } else if constexpr (VEC == 4) {
-    reinterpret_cast<uint32_t*>(row)[i] = words[0];
-  } else {
-    static_assert(VEC == 1, "fp8 stores: 1, 4 or 8 bytes");
-    row[i] = static_cast<uint8_t>(words[0]);
-  }
-}
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxBlock) quantize_fp8_kernel(const Fp8Params<T> p, int row_shift) {
@@ -83,8 +45,7 @@ __global__ void __launch_bounds__(kMaxBlock) quantize_fp8_kernel(const Fp8Params
     auto take = [&](const Vec<T, VEC>& v) {
       float f[VEC];
       to_floats(v, f);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) amax = fp8_amax_step(amax, fabsf(f[j]));
+      amax = fp8_amax_of(amax, f);
     };
 #pragma unroll
     for (int k = 0; k < kCachedVecs; ++k) {

@@ -1,14 +1,10 @@
-// FP8 quantization on the CPU: the twin of fp8.cu, the same fp32 math (fp8_math.h), rows
-// spread over threads. c10's conversion rounds to nearest even; the clamp before it keeps
-// every finite value in e4m3's range, as the CUDA kernels' saturating conversion does.
+// FP8 quantization on the CPU: the twin of fp8.cu, the same fp32 math (fp8_math.h's
+// fp8_quantize_row), rows spread over threads.
 #include "cpu_parallel.h"
 #include "fp8.h"
 #include "fp8_math.h"
 
-#include <c10/util/Float8_e4m3fn.h>
-
 #include <algorithm>
-#include <cmath>
 
 namespace ltx {
 namespace {
@@ -16,18 +12,9 @@ namespace {
 template <typename T>
 void quantize_rows(const Fp8Args& a, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
-    const T* x = static_cast<const T*>(a.input) + r * a.input_stride;
-    c10::Float8_e4m3fn* q = reinterpret_cast<c10::Float8_e4m3fn*>(a.out) + r * a.cols;
-    float scale;
-    if (a.static_scale != nullptr) {
-      scale = *a.static_scale;
-    } else {
-      float amax = 0.f;
-      for (int64_t k = 0; k < a.cols; ++k) amax = fp8_amax_step(amax, std::abs(static_cast<float>(x[k])));
-      scale = fp8_scale_of(amax);
-      a.scales[r] = scale;
-    }
-    for (int64_t k = 0; k < a.cols; ++k) q[k] = c10::Float8_e4m3fn(fp8_scaled(static_cast<float>(x[k]), scale));
+    fp8_quantize_row(static_cast<const T*>(a.input) + r * a.input_stride, a.cols,
+                     reinterpret_cast<c10::Float8_e4m3fn*>(a.out) + r * a.cols,
+                     a.scales != nullptr ? a.scales + r : nullptr, a.static_scale);
   }
 }
 

@@ -3,6 +3,13 @@
 // q = e4m3(round-to-nearest-even(clamp(y / scale, -448, 448))), fp32 throughout.
 #pragma once
 
+#if !defined(__CUDACC__)
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <cmath>
+#include <cstdint>
+#endif
+
 #if defined(__CUDACC__)
 #define LTX_FP8_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -31,5 +38,25 @@ LTX_FP8_HOST_DEVICE float fp8_scaled(float y, float scale) {
   const float q = y / scale;
   return q < -kFp8E4m3Max ? -kFp8E4m3Max : q > kFp8E4m3Max ? kFp8E4m3Max : q;
 }
+
+#if !defined(__CUDACC__)
+// The CPU twins' row: q[k] = e4m3(fp8_scaled(y[k], scale)) (c10's conversion rounds to
+// nearest even; the clamp keeps every finite value in range, as CUDA's saturating one), the
+// scale *static_scale, or made from the row's amax and stored at *scale_out.
+template <typename V>
+inline void fp8_quantize_row(const V* y, int64_t n, c10::Float8_e4m3fn* q, float* scale_out,
+                             const float* static_scale) {
+  float scale;
+  if (static_scale != nullptr) {
+    scale = *static_scale;
+  } else {
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = fp8_amax_step(amax, std::abs(static_cast<float>(y[k])));
+    scale = fp8_scale_of(amax);
+    *scale_out = scale;
+  }
+  for (int64_t k = 0; k < n; ++k) q[k] = c10::Float8_e4m3fn(fp8_scaled(static_cast<float>(y[k]), scale));
+}
+#endif
 
 }  // namespace ltx

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cuda_common.cuh"
+#include "fp8_cuda.cuh"
 #include "norm.h"
 
 #include <algorithm>
@@ -64,8 +65,10 @@ constexpr int kDeviceArch = __CUDA_ARCH__;
 constexpr int kDeviceArch = 0;  // the host pass: no kernel body runs there
 #endif
 
+// O = Fp8E4m3 is the FP8 output mode: out holds e4m3 bytes, each row's y (the fp32 value an
+// fp32 out would hold) divided by the row's scale (fp8_math.h), with the scales in the base.
 template <typename T, typename W, typename O>
-struct NormParams {
+struct NormParams : Fp8OutParams<O> {
   O* out;             // [rows, cols], rows out_stride apart; nullptr without a norm
   T* residual_out;    // [rows, cols] or nullptr
   float2* stats;      // [rows] (mean, rstd) or nullptr
@@ -97,8 +100,15 @@ constexpr int bound_threads(int cached, bool residual, bool modulate) {
 __host__ __device__ constexpr bool writes_weight(bool normed, bool modulate) { return !modulate && normed; }
 // LayerNorm's residual rows also make their first element (the mean's offset) ahead of
 // the sum: in 32 registers they spill, so they take the weighted rows' bound.
-constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual) {
+// FP8 outputs (FP8) recompute y for the row's amax and convert (emulated on sm_80): at the
+// one- and two-vector bounds they spill, so they take fewer blocks per SM (the launch, and so
+// the result, is unchanged).
+constexpr int kFp8OneVecMinBlocks = 4;  // 64 registers at 256 threads
+constexpr int kFp8TwoVecMinBlocks = 2;  // 64 registers at 512 threads
+constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, bool fp8 = false) {
+  if (cached == 1 && fp8) return kFp8OneVecMinBlocks;
   if (cached == 1) return weighted || layer_residual ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
+  if (cached == 2 && fp8) return kFp8TwoVecMinBlocks;
   return cached == 2 ? kTwoVecMinBlocks : 0;
 }
 
@@ -108,7 +118,7 @@ template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND
           bool NORMED = true>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
                                   bound_min_blocks(CACHED, writes_weight(NORMED, MODULATE),
-                                                   NORMED && KIND == NormKind::kLayer && RESIDUAL))
+                                                   NORMED && KIND == NormKind::kLayer && RESIDUAL, kFp8Out<O>))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
@@ -258,13 +268,17 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       }
       sum_sq = row_sum(acc, threads_per_row, scratch[1]);
     }
-    if (!active) return;
+    // The FP8 mode's inactive threads still take part in the amax reduction.
+    constexpr bool kFp8 = kFp8Out<O>;
+    if (!kFp8 && !active) return;
     const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
-    if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
+    if constexpr (!kFp8) {  // the FP8 mode has no statistics (launch asserts it)
+      if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
+    }
 
     O* y_row = p.out + r * p.out_stride;
-    // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
-    auto write = [&](const Vec<T, VEC>& v, int i, int k) {
+    // y of vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
+    auto normed = [&](const Vec<T, VEC>& v, int i, int k, float (&f)[VEC]) {
       Vec<W, VEC> w;
       Vec<T, VEC> sc, sh;
       bool preloaded = false;
@@ -282,7 +296,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
           sh = load_vec<T, VEC>(shift, i);
         }
       }
-      float f[VEC], wf[VEC], scf[VEC], shf[VEC];
+      float wf[VEC], scf[VEC], shf[VEC];
       to_floats(v, f);
       if (weighted) to_floats(w, wf);
       if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
@@ -293,7 +307,42 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
         if (weighted) f[j] *= p.weight_offset + wf[j];
         if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
       }
-      store_vec<O, VEC>(y_row, i, from_floats<O>(f));
+    };
+    // The FP8 row's scale: the static one, or from the amax of y recomputed from the
+    // registers (and re-read vectors) rather than kept in more of them.
+    float fp8_scale = 0.f;
+    if constexpr (kFp8) {
+      if (p.static_scale != nullptr) {
+        fp8_scale = *p.static_scale;
+      } else {
+        __shared__ float amax_scratch[32];
+        float amax = 0.f;
+        auto take = [&](const Vec<T, VEC>& v, int i, int k) {
+          float f[VEC];
+          normed(v, i, k, f);
+          amax = fp8_amax_of(amax, f);
+        };
+#pragma unroll
+        for (int k = 0; k < CACHED; ++k) {
+          const int i = t + k * threads_per_row;
+          if (active && i < nvec) take(cached[k], i, k);
+        }
+        for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
+          take(load_vec<T, VEC>(reread, i), i, -1);
+        }
+        fp8_scale = fp8_scale_of(row_amax(amax, threads_per_row, amax_scratch));
+        if (active && t == 0) p.scales[r] = fp8_scale;
+      }
+      if (!active) return;
+    }
+    auto write = [&](const Vec<T, VEC>& v, int i, int k) {
+      float f[VEC];
+      normed(v, i, k, f);
+      if constexpr (kFp8) {
+        store_fp8<VEC>(y_row, i, f, fp8_scale);
+      } else {
+        store_vec<O, VEC>(y_row, i, from_floats<O>(f));
+      }
     };
 #pragma unroll
     for (int k = 0; k < CACHED; ++k) {
@@ -312,7 +361,8 @@ NormParams<T, W, O> make_params(const NormArgs& a) {
   const bool per_row_operands = a.scale.ptr != nullptr || a.gate.ptr != nullptr;
   TORCH_CHECK(!per_row_operands || a.rows <= INT32_MAX, "norm: AdaLN and the gated residual take at most 2^31 - 1 ",
               "rows on CUDA, got ", a.rows);
-  return {static_cast<O*>(a.out),
+  NormParams<T, W, O> p{{},
+                        static_cast<O*>(a.out),
           static_cast<T*>(a.residual_out),
           reinterpret_cast<float2*>(a.stats),
           static_cast<const T*>(a.input),
@@ -327,6 +377,8 @@ NormParams<T, W, O> make_params(const NormArgs& a) {
           a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
           static_cast<int>(a.cols),
           a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+  if constexpr (kFp8Out<O>) p.scales = a.fp8_scales, p.static_scale = a.fp8_static_scale;
+  return p;
 }
 
 // Whether every pointer and stride allows VEC-wide accesses.
@@ -355,7 +407,7 @@ template <typename T, typename W, typename O, int VEC, bool CAST>
 __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
     rms_norm_row_kernel(const T* __restrict__ input, const W* __restrict__ weight, O* __restrict__ out,
                         int64_t input_stride, int64_t out_stride, int nvec, float eps, float inv_cols,
-                        float weight_offset) {
+                        float weight_offset, const Fp8OutParams<O> fp8) {
   __shared__ float scratch[32];
   const int i0 = threadIdx.x, i1 = threadIdx.x + blockDim.x;
   const bool has0 = i0 < nvec, has1 = i1 < nvec;
@@ -386,6 +438,32 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   if constexpr (!CAST) weigh(f0, w0), weigh(f1, w1);
   const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
   O* y = out + blockIdx.x * out_stride;
+  if constexpr (kFp8Out<O>) {  // y as the fp32 out's write makes it, then its amax, then e4m3
+    auto normed = [&](float (&f)[VEC], const Vec<W, VEC>& w) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        f[j] *= rstd;
+        if constexpr (CAST) f[j] = to_float(from_float<T>(f[j]));
+      }
+      if constexpr (CAST) weigh(f, w);
+    };
+    normed(f0, w0);
+    normed(f1, w1);
+    float scale;
+    if (fp8.static_scale != nullptr) {
+      scale = *fp8.static_scale;
+    } else {
+      __shared__ float amax_scratch[32];
+      float amax = 0.f;
+      if (has0) amax = fp8_amax_of(amax, f0);
+      if (has1) amax = fp8_amax_of(amax, f1);
+      scale = fp8_scale_of(row_amax(amax, blockDim.x, amax_scratch));
+      if (threadIdx.x == 0) fp8.scales[blockIdx.x] = scale;
+    }
+    if (has0) store_fp8<VEC>(y, i0, f0, scale);
+    if (has1) store_fp8<VEC>(y, i1, f1, scale);
+    return;
+  }
   auto write = [&](float (&f)[VEC], const Vec<W, VEC>& w, int i) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) f[j] *= rstd;
@@ -418,6 +496,10 @@ constexpr int kWideStagedVecs = 8;
 // an fp32 weight or output, eight vectors a thread spill.
 template <typename T, typename W, typename O>
 constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
+// The type whose run an FP8 output's launch copies: the fp32 out's, so that y is that run's
+// fp32 value bit for bit (the launch choice fixes each row's summation order and kernel).
+template <typename O>
+using launch_out_t = std::conditional_t<kFp8Out<O>, float, O>;
 // Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
 // block of plain rows (0 when they fit in registers).
 inline std::size_t wide_staged_bytes(int64_t nvec) {
@@ -431,10 +513,12 @@ inline std::size_t wide_staged_bytes(int64_t nvec) {
 // dynamic shared memory (see kWideStagedVecs), copied there without registers. In place
 // (out == input) stays correct as above. Past-the-end vectors stay out of the sum (zeroing
 // them spilled).
-template <typename T, int VEC, bool WEIGHTED, bool CAST, bool STAGED>
+// O is T, or Fp8E4m3 (the FP8 output mode, as norm_kernel's).
+template <typename T, int VEC, bool WEIGHTED, bool CAST, bool STAGED, typename O = T>
 __global__ void __launch_bounds__(max_block(false, false))
-    rms_norm_wide_row_kernel(const T* __restrict__ input, const T* weight, T* out, int64_t input_stride,
-                             int64_t out_stride, int nvec, float eps, float inv_cols, float weight_offset) {
+    rms_norm_wide_row_kernel(const T* __restrict__ input, const T* weight, O* out, int64_t input_stride,
+                             int64_t out_stride, int nvec, float eps, float inv_cols, float weight_offset,
+                             const Fp8OutParams<O> fp8) {
   __shared__ float scratch[32];
   extern __shared__ uint4 staged_storage[];
   Vec<T, VEC>* staged = reinterpret_cast<Vec<T, VEC>*>(staged_storage);  // vector i at i - kWideCachedVecs * blockDim.x
@@ -456,10 +540,13 @@ __global__ void __launch_bounds__(max_block(false, false))
     const int i = threadIdx.x + k * blockDim.x;
     if (i < nvec) copy_to_shared(staged + (i - cached_end), x + static_cast<int64_t>(i) * VEC);
   }
+  // The FP8 output loads its weight at use (its amax pass brought it to L1): the vectors
+  // ahead spill on sm_80 there.
+  constexpr bool kWeightAhead = WEIGHTED && !kFp8Out<O>;
 #pragma unroll
   for (int k = 0; k < kWideWeightAhead; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
-    if (WEIGHTED && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
+    if (kWeightAhead && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
   }
   // Vector k of this thread's part of the row (i < nvec); the inner test keeps row's index
   // in range where k is a staged vector.
@@ -476,7 +563,35 @@ __global__ void __launch_bounds__(max_block(false, false))
     for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
   }
   const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
-  T* y = out + blockIdx.x * out_stride;
+  O* y = out + blockIdx.x * out_stride;
+  // The FP8 row's scale: from the amax of y recomputed from the row (the weight re-read).
+  float fp8_scale = 0.f;
+  if constexpr (kFp8Out<O>) {
+    if (fp8.static_scale != nullptr) {
+      fp8_scale = *fp8.static_scale;
+    } else {
+      __shared__ float amax_scratch[32];
+      float amax = 0.f;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i >= nvec) break;
+        float f[VEC];
+        [[maybe_unused]] float wf[VEC];
+        to_floats(vec_at(k, i), f);
+        if constexpr (WEIGHTED) to_floats(load_vec<T, VEC>(weight, i), wf);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          f[j] *= rstd;
+          if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
+          if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
+        }
+        amax = fp8_amax_of(amax, f);
+      }
+      fp8_scale = fp8_scale_of(row_amax(amax, blockDim.x, amax_scratch));
+      if (threadIdx.x == 0) fp8.scales[blockIdx.x] = fp8_scale;
+    }
+  }
   // PAIRED: the Llama order without a weight offset multiplies the rounded row by the weight
   // in 16-bit pairs (mul_rounded: the same result, the write in three instructions an
   // element instead of six, sm_90 SASS; docs/decisions.md).
@@ -491,24 +606,29 @@ __global__ void __launch_bounds__(max_block(false, false))
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] *= rstd;
       if constexpr (PAIRED) {
-        store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f), w[k % kWideWeightAhead]));
+        if constexpr (!kFp8Out<O>) store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f), w[k % kWideWeightAhead]));
       } else {
         float wf[VEC];
-        if constexpr (WEIGHTED) to_floats(w[k % kWideWeightAhead], wf);
+        if constexpr (kWeightAhead) to_floats(w[k % kWideWeightAhead], wf);
+        else if constexpr (WEIGHTED) to_floats(load_vec<T, VEC>(weight, i), wf);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
           if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
         }
-        store_vec<T, VEC>(y, i, from_floats<T>(f));
+        if constexpr (kFp8Out<O>) {
+          store_fp8<VEC>(y, i, f, fp8_scale);
+        } else {
+          store_vec<T, VEC>(y, i, from_floats<T>(f));
+        }
       }
       const int next = i + kWideWeightAhead * blockDim.x;
-      if (WEIGHTED && k + kWideWeightAhead < kVecs && next < nvec) {
+      if (kWeightAhead && k + kWideWeightAhead < kVecs && next < nvec) {
         w[k % kWideWeightAhead] = load_vec<T, VEC>(weight, next);
       }
     }
   };
-  if constexpr (WEIGHTED && CAST && kPackedMul<T>) {
+  if constexpr (WEIGHTED && CAST && kPackedMul<T> && !kFp8Out<O>) {
     if (weight_offset == 0.f) return write_row(std::true_type{});
   }
   write_row(std::false_type{});
@@ -522,6 +642,8 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
                         "rms_norm rows: no statistics, and a weight for two vectors a thread");
   TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
   const std::size_t staged = cached == kWideCachedVecs ? wide_staged_bytes(a.cols / VEC) : 0;
+  Fp8OutParams<O> fp8{};
+  if constexpr (kFp8Out<O>) fp8.scales = a.fp8_scales, fp8.static_scale = a.fp8_static_scale;
   const auto run = [&](auto kernel) {
     if (staged > 0) {  // asks for the shared memory beyond 48 KB
       TORCH_CHECK(max_blocks_per_sm(reinterpret_cast<const void*>(kernel), a.device.index(), block, staged) > 0,
@@ -529,20 +651,20 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
     }
     kernel<<<static_cast<unsigned>(a.rows), block, staged, stream>>>(static_cast<const T*>(a.input), static_cast<const W*>(a.weight),
                                          static_cast<O*>(a.out), a.input_stride, a.out_stride,
-                                         static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset);
+                                         static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset, fp8);
     check_launch();
   };
   // Rounding an fp32 row to fp32 changes nothing: no second fp32 instantiation.
   const bool cast = sizeof(T) == 2 && a.cast_before_weight;
-  if constexpr (kWideRows<T, W, O>) {
+  if constexpr (kWideRows<T, W, launch_out_t<O>>) {
     if (cached == kWideCachedVecs) {
       const auto wide = [&](auto staged_rows) {
         constexpr bool S = decltype(staged_rows)::value;
-        if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false, S>);
+        if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false, S, O>);
         if constexpr (sizeof(T) == 2) {
-          if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true, S>);
+          if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true, S, O>);
         }
-        return run(rms_norm_wide_row_kernel<T, VEC, true, false, S>);
+        return run(rms_norm_wide_row_kernel<T, VEC, true, false, S, O>);
       };
       return staged > 0 ? wide(std::true_type{}) : wide(std::false_type{});
     }
@@ -584,7 +706,9 @@ constexpr int kFp32FourVecBlock = 512;
 template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE, bool NORMED = true>
 void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
-  const bool vector = vectorizable<T, W, O, V>(a);
+  using LO = launch_out_t<O>;
+  TORCH_INTERNAL_ASSERT(!kFp8Out<O> || a.stats == nullptr, "norm: the FP8 output has no statistics");
+  const bool vector = vectorizable<T, W, LO, V>(a);
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   const int64_t sms = sm_count(a.device.index());
@@ -599,7 +723,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
              (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
     cached = 2;
-  } else if (KIND == NormKind::kRms && !RESIDUAL && !MODULATE && kWideRows<T, W, O> && vector &&
+  } else if (KIND == NormKind::kRms && !RESIDUAL && !MODULATE && kWideRows<T, W, LO> && vector &&
              a.stats == nullptr && nvec > kCachedVecs * (many_rows ? kTwoVecThreads : max_block(false, false)) &&
              nvec <= (kWideCachedVecs + kWideStagedVecs) * max_block(false, false) &&
              (wide_staged_bytes(nvec) == 0 ||

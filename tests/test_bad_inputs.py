@@ -1058,6 +1058,8 @@ def op_samples(kernel, device):
         "quantize_fp8_static": [x, torch.tensor([0.05], device=device)],
         "rms_norm_fp8": [x, w, EPS, 0.0, True],
         "rms_norm_fp8_static": [x, w.float(), EPS, 1.0, False, torch.tensor([0.05], device=device)],
+        "adaln_fp8": [x, scale, shift, EPS, "layer"],
+        "adaln_fp8_static": [x, scale, shift, EPS, "rms", torch.tensor([0.05], device=device)],
     }
 
 
@@ -1077,7 +1079,8 @@ def results(op, args):
 
 # The ops without a float64 form (FP8 has no float64 meaning): their reference is the call
 # in float32 on the CPU, whose math they share.
-FP32_REFERENCE_OPS = {"quantize_fp8", "quantize_fp8_static", "rms_norm_fp8", "rms_norm_fp8_static"}
+FP32_REFERENCE_OPS = {"quantize_fp8", "quantize_fp8_static", "rms_norm_fp8", "rms_norm_fp8_static", "adaln_fp8",
+                      "adaln_fp8_static"}
 
 
 def in_float64(op, args):

@@ -1,4 +1,4 @@
-"""The FP8 producers (quantize_fp8, rms_norm_fp8): q and scales bit for bit against a PyTorch
+"""The FP8 producers (quantize_fp8, rms_norm_fp8, adaln_fp8): q and scales bit for bit against a PyTorch
 quantizer applied to the op's fp32 result, the dequantized rows within one e4m3 step of an
 fp64 path, edge rows, static scales, torch._scaled_mm on the outputs, refusals, and the fake
 implementations under torch.compile."""
@@ -9,8 +9,9 @@ import torch
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
-# (rows, D): widths of one element, odd, one vector, long; many rows; 3-D below.
-SHAPES = [(5, 1), (9, 7), (4, 8), (33, 1000), (3, 4096), (2, 16384), (3000, 8)]
+# (rows, D): widths of one element, odd, one vector, long; many rows; 3-D below. The last two
+# take the CUDA norms' wide rows in fp32 (eight vectors a thread; staged in shared memory).
+SHAPES = [(5, 1), (9, 7), (4, 8), (33, 1000), (3, 4096), (2, 16384), (3000, 8), (300, 12288), (2, 40960)]
 
 
 @pytest.fixture
@@ -103,6 +104,78 @@ def test_rms_norm_fp8(kernel, fp8_device, shape, dtype, weight, cast_before_weig
     assert_bits(q, want_q)
     assert_bits(scales, want_scales)
     assert_within_one_step(q, scales, rms64(x, w, 1e-6, offset, cast_before_weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_fp8_without_weight_takes_no_offset(kernel, fp8_device, dtype):
+    """Without a weight there is nothing to offset, as in rms_norm: weight_offset changes no
+    bit, for 16-bit input as for fp32."""
+    x = make((6, 256), dtype, fp8_device)
+    want_q, want_scales = reference_quantize(rms_fp32(kernel, x, None, 1e-6, 0.0, False))
+    for offset in (0.0, 1.0):
+        q, scales = kernel.rms_norm_fp8(x, None, 1e-6, weight_offset=offset)
+        assert_bits(q, want_q)
+        assert_bits(scales, want_scales)
+
+
+def adaln64(h, scale, shift, eps, norm):
+    """AdaLN in fp64: norm(h) * (1 + scale) + shift."""
+    h64 = h.double()
+    mean = h64.mean(-1, keepdim=True) if norm == "layer" else torch.zeros_like(h64[..., :1])
+    centred = h64 - mean
+    return centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps) * (1 + scale.double()) + shift.double()
+
+
+def adaln_fp32(kernel, device, dtype, h, scale, shift, eps, norm):
+    """adaln's y before its rounding to h's dtype, where it is defined bit for bit: adaln of fp32
+    rows is it (the same launch on CUDA); on the CPU, whose twin converts 16-bit rows to fp32
+    and sums them in the same order, adaln of the rows in fp32 is it too. None for 16-bit rows
+    on CUDA (adaln has no fp32 output; the fp64 comparison covers them)."""
+    if dtype != torch.float32 and device != "cpu":
+        return None
+    return kernel.adaln(h.float(), scale.float(), shift.float(), eps, norm=norm)
+
+
+# x sizes and the modulation's: per batch entry, shared by all rows, per token; 2-D input.
+ADALN_CASES = [((2, 7, 64), (2, 1, 64)), ((3, 40, 1024), (1024,)), ((2, 5, 96), (2, 5, 96)), ((9, 256), (9, 256))]
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ADALN_CASES, ids=str)
+def test_adaln_fp8(kernel, fp8_device, case, dtype, norm):
+    x_shape, mod_shape = case
+    x = make(x_shape, dtype, fp8_device) + 0.5
+    scale, shift = make(mod_shape, dtype, fp8_device, 0.3), make(mod_shape, dtype, fp8_device, 0.3)
+    q, scales = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm)
+    assert q.dtype == FP8 and q.is_contiguous() and q.shape == x.shape and scales.shape == (*x.shape[:-1], 1)
+    y = adaln_fp32(kernel, fp8_device, dtype, x, scale, shift, 1e-6, norm)
+    if y is not None:
+        want_q, want_scales = reference_quantize(y)
+        assert_bits(q, want_q)
+        assert_bits(scales, want_scales)
+    assert_within_one_step(q, scales, adaln64(x, scale, shift, 1e-6, norm))
+    fixed = torch.tensor([0.01], device=fp8_device)
+    q_static, s = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm, fp8_scale=fixed)
+    assert s is fixed
+    if y is not None:
+        assert_bits(q_static, reference_quantize(y, fixed)[0])
+
+
+def test_adaln_fp8_refusals(kernel, fp8_device):
+    x = make((2, 3, 32), torch.bfloat16, fp8_device)
+    mod = make((2, 1, 32), torch.bfloat16, fp8_device)
+    with pytest.raises(RuntimeError, match=r"adaln_fp8: input has dtype Double; expected float32"):
+        kernel.ops.adaln_fp8(x.double(), mod.double(), mod.double(), 1e-6, "rms")
+    with pytest.raises(RuntimeError, match=r"adaln_fp8: norm must be \"rms\" or \"layer\""):
+        kernel.ops.adaln_fp8(x, mod, mod, 1e-6, "batch")
+    with pytest.raises(RuntimeError, match=r"adaln_fp8: shift has dtype Float but input has dtype"):
+        kernel.adaln_fp8(x, mod, mod.float())
+    with pytest.raises(RuntimeError, match=r"adaln_fp8_static: fp8_scale must be a float32 tensor of one element"):
+        kernel.adaln_fp8(x, mod, mod, fp8_scale=torch.ones(2, device=fp8_device))
+    with pytest.raises(RuntimeError, match=r"adaln_fp8: scale requires grad, but FP8 outputs"):
+        kernel.adaln_fp8(x, mod.clone().requires_grad_(), mod)
 
 
 def edge_rows(device):
@@ -274,7 +347,8 @@ def test_compiled_shapes_and_dtypes(kernel, device, static):
     def f(x, w):
         q1, s1 = kernel.quantize_fp8(x, scale)
         q2, s2 = kernel.rms_norm_fp8(x, w, 1e-6, scale=scale)
-        return q1, s1, q2, s2
+        q3, s3 = kernel.adaln_fp8(x, w, w, 1e-6, norm="rms", fp8_scale=scale)
+        return q1, s1, q2, s2, q3, s3
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
@@ -293,7 +367,9 @@ def test_fake_outputs_match_real(kernel, device):
     w, scale = torch.randn(40, device=device, dtype=torch.float16), torch.tensor([0.5], device=device)
     calls = [lambda x, w, s: kernel.ops.quantize_fp8(x), lambda x, w, s: kernel.ops.quantize_fp8_static(x, s),
              lambda x, w, s: kernel.ops.rms_norm_fp8(x, w, 1e-6, 0.0, False),
-             lambda x, w, s: kernel.ops.rms_norm_fp8_static(x, w, 1e-6, 1.0, True, s)]
+             lambda x, w, s: kernel.ops.rms_norm_fp8_static(x, w, 1e-6, 1.0, True, s),
+             lambda x, w, s: kernel.ops.adaln_fp8(x, w, w, 1e-6, "layer"),
+             lambda x, w, s: kernel.ops.adaln_fp8_static(x, w, w, 1e-6, "rms", s)]
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fakes = [mode.from_tensor(t) for t in (x, w, scale)]
         fake_results = [call(*fakes) for call in calls]

@@ -79,6 +79,8 @@ LTX_OP(quantize_fp8, Tensors2(const Tensor&))
 LTX_OP(quantize_fp8_static, Tensor(const Tensor&, const Tensor&))
 LTX_OP(rms_norm_fp8, Tensors2(const Tensor&, const optional<Tensor>&, double, double, bool))
 LTX_OP(rms_norm_fp8_static, Tensor(const Tensor&, const optional<Tensor>&, double, double, bool, const Tensor&))
+LTX_OP(adaln_fp8, Tensors2(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view))
+LTX_OP(adaln_fp8_static, Tensor(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view, const Tensor&))
 // The ops that write into given tensors (Tensor&: the schema's Tensor!).
 LTX_OP(rms_norm_out, void(Tensor&, const Tensor&, const optional<Tensor>&, double, double, bool))
 LTX_OP(fused_add_rms_norm_out,
@@ -582,5 +584,7 @@ void register_autograd_kernels(torch::Library& ops) {
   LTX_REFUSES_GRAD(quantize_fp8_static);
   LTX_REFUSES_GRAD(rms_norm_fp8);
   LTX_REFUSES_GRAD(rms_norm_fp8_static);
+  LTX_REFUSES_GRAD(adaln_fp8);
+  LTX_REFUSES_GRAD(adaln_fp8_static);
 #undef LTX_REFUSES_GRAD
 }

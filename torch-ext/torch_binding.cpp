@@ -235,12 +235,27 @@ void impl_activation_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("geglu_backward", device, &geglu_backward<B>);
 }
 
+// The AdaLN FP8 producer takes the norm kind as a string view, as adaln.
+template <class B>
+std::tuple<Tensor, Tensor> adaln_fp8(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+                                     c10::string_view norm) {
+  return ltx::adaln_fp8<B>(input, scale, shift, eps, std::string(norm));
+}
+
+template <class B>
+Tensor adaln_fp8_static(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+                        c10::string_view norm, const Tensor& fp8_scale) {
+  return ltx::adaln_fp8_static<B>(input, scale, shift, eps, std::string(norm), fp8_scale);
+}
+
 template <class B>
 void impl_fp8_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("quantize_fp8", device, &ltx::quantize_fp8<B>);
   ops.impl("quantize_fp8_static", device, &ltx::quantize_fp8_static<B>);
   ops.impl("rms_norm_fp8", device, &ltx::rms_norm_fp8<B>);
   ops.impl("rms_norm_fp8_static", device, &ltx::rms_norm_fp8_static<B>);
+  ops.impl("adaln_fp8", device, &adaln_fp8<B>);
+  ops.impl("adaln_fp8_static", device, &adaln_fp8_static<B>);
 }
 
 template <class B>
@@ -326,6 +341,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
           "-> (Tensor, Tensor)");
   ops.def("rms_norm_fp8_static(Tensor input, Tensor? weight, float eps, float weight_offset, "
           "bool cast_before_weight, Tensor scale) -> Tensor");
+  ops.def("adaln_fp8(Tensor input, Tensor scale, Tensor shift, float eps, str norm) -> (Tensor, Tensor)");
+  ops.def("adaln_fp8_static(Tensor input, Tensor scale, Tensor shift, float eps, str norm, Tensor fp8_scale) "
+          "-> Tensor");
 
   register_autograd_kernels(ops);
 

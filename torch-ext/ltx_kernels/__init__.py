@@ -3,7 +3,7 @@
 from . import layers, reference, sharding
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
-from .fp8 import quantize_fp8, rms_norm_fp8
+from .fp8 import adaln_fp8, quantize_fp8, rms_norm_fp8
 from .integration import diffusers_mapping, kernelize_diffusers, kernelize_transformers, replaced_modules, \
     transformers_mapping, unkernelize
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
@@ -13,6 +13,7 @@ sharding.register_when_available()  # DTensor rules for this build's op namespac
 
 __all__ = [
     "adaln",
+    "adaln_fp8",
     "diffusers_mapping",
     "fused_add_rms_norm",
     "gated_residual",

@@ -746,10 +746,10 @@ def fp8_input(device: Optional[str], x: torch.Tensor, op: str) -> None:
     check(x.shape[-1] <= INT32_MAX, lambda: f"{op}: last dim {x.shape[-1]} is too large (at most 2^31 - 1)")
 
 
-def fp8_static_scale(scale: torch.Tensor, x: torch.Tensor, op: str) -> None:
-    check_same_device(scale, x, op, "scale", "input")
+def fp8_static_scale(scale: torch.Tensor, x: torch.Tensor, op: str, arg: str = "scale") -> None:
+    check_same_device(scale, x, op, arg, "input")
     check(all_of(scale.dtype == torch.float32, scale.numel() == 1),
-          lambda: f"{op}: scale must be a float32 tensor of one element (the whole tensor's scale), got "
+          lambda: f"{op}: {arg} must be a float32 tensor of one element (the whole tensor's scale), got "
           f"{scalar_type_name(scale.dtype)} of sizes {sizes(scale.shape)}")
 
 

@@ -21,8 +21,9 @@ import torch
 
 from . import _checks as checks
 from ._args import check_not_bool
-from ._checks import ROWS_ADVICE, refuses_nested, register_fake
+from ._checks import DENSE_ADVICE, ROWS_ADVICE, refuses_nested, register_fake
 from ._ops import ops
+from .norms import _check_norm
 
 
 @refuses_nested("quantize_fp8", ROWS_ADVICE)
@@ -53,6 +54,26 @@ def rms_norm_fp8(
     if scale is None:
         return ops.rms_norm_fp8(x, weight, eps, weight_offset, cast_before_weight)
     return ops.rms_norm_fp8_static(x, weight, eps, weight_offset, cast_before_weight, scale), scale
+
+
+@refuses_nested("adaln_fp8", DENSE_ADVICE)
+def adaln_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    norm: str = "layer",
+    fp8_scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~ltx_kernels.adaln` written as FP8: ``norm(x) * (1 + scale) + shift`` in fp32
+    (the value adaln rounds to ``x.dtype`` once), quantized per row or by the static
+    ``fp8_scale``. Arguments as adaln's."""
+    _check_norm(norm)
+    check_not_bool("adaln_fp8", eps=eps)
+    if fp8_scale is None:
+        return ops.adaln_fp8(x, scale, shift, eps, norm)
+    return ops.adaln_fp8_static(x, scale, shift, eps, norm, fp8_scale), fp8_scale
 
 
 # Fake implementations, for torch.compile, FakeTensorMode and meta tensors: the C++ checks
@@ -101,3 +122,28 @@ def _(device, x, weight, eps, weight_offset, cast_before_weight):
 @register_fake("rms_norm_fp8_static")
 def _(device, x, weight, eps, weight_offset, cast_before_weight, scale):
     return _rms_norm_fp8(device, x, weight, eps, scale, "rms_norm_fp8_static")
+
+
+def _adaln_fp8(device, x, scale, shift, eps, norm, fp8_scale, op: str):
+    checks.fp8_input(device, x, op)
+    c = checks.NormChecker(op, x, device)
+    c.check_input()
+    c.batch_tokens()
+    checks.parse_norm(norm, op)
+    checks.check_eps(eps, op)
+    c.modulation(scale, "scale")
+    c.modulation(shift, "shift")
+    if fp8_scale is not None:
+        checks.fp8_static_scale(fp8_scale, x, op, "fp8_scale")
+    return _outputs(x, fp8_scale is None)
+
+
+@register_fake("adaln_fp8")
+def _(device, x, scale, shift, eps, norm):
+    return _adaln_fp8(device, x, scale, shift, eps, norm, None, "adaln_fp8")
+
+
+@register_fake("adaln_fp8_static")
+def _(device, x, scale, shift, eps, norm, fp8_scale):
+    return _adaln_fp8(device, x, scale, shift, eps, norm, fp8_scale, "adaln_fp8_static")
+

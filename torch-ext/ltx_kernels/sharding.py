@@ -365,6 +365,21 @@ def _rms_norm_fp8_static(x, weight, eps, weight_offset, cast_before_weight, scal
     return _fp8_strategies(x, [weight], trailing=3, dynamic=False, static_scale=True)
 
 
+def _with_static_scale(strategies: List[Strategy]) -> List[Strategy]:
+    """The strategies with a replicated static scale as the last input."""
+    _, Replicate, _ = _placements()
+    return [(outputs, [*inputs, Replicate()]) for outputs, inputs in strategies]
+
+
+def _adaln_fp8(x, scale, shift, eps, norm):
+    layout = ["row", "stats", "row", "mod0", "mod1", "-", "-"]  # q, the scales like row statistics
+    return _split(_modulated_strategies(x, [scale, shift], layout), 2)
+
+
+def _adaln_fp8_static(x, scale, shift, eps, norm, fp8_scale):
+    return _with_static_scale(_adaln(x, scale, shift, eps, norm))
+
+
 # op name -> the function listing its strategies (register_sharding's contract: called with
 # the op's arguments, each tensor replaced by its DTensor spec).
 RULES: Dict[str, Callable] = {
@@ -403,6 +418,8 @@ RULES: Dict[str, Callable] = {
     "quantize_fp8_static": _quantize_fp8_static,
     "rms_norm_fp8": _rms_norm_fp8,
     "rms_norm_fp8_static": _rms_norm_fp8_static,
+    "adaln_fp8": _adaln_fp8,
+    "adaln_fp8_static": _adaln_fp8_static,
 }
 
 _registered = False
