@@ -20,14 +20,6 @@ struct Fp8E4m3 {
 template <typename O>
 constexpr bool kFp8Out = std::is_same_v<O, Fp8E4m3>;
 
-// An FP8 output's scales: one per row (dynamic), or the one given (static).
-template <typename O>
-struct Fp8OutParams {};  // other outputs: nothing, and an empty base leaves a layout as it was
-template <>
-struct Fp8OutParams<Fp8E4m3> {
-  float* scales = nullptr;              // [rows], or nullptr (static)
-  const float* static_scale = nullptr;  // one element, or nullptr (dynamic)
-};
 
 // fp8_amax_step over aligned groups of `width` lanes (a power of two <= 32).
 __device__ __forceinline__ float group_amax(float v, int width) {
@@ -81,6 +73,25 @@ __device__ __forceinline__ float fp8_amax_of(float amax, const float (&f)[VEC]) 
 #pragma unroll
   for (int j = 0; j < VEC; ++j) amax = fp8_amax_step(amax, fabsf(f[j]));
   return amax;
+}
+
+// A row's FP8 scale: *static_scale, or made from the amax of the row's y, which y_of(v, i, f)
+// computes for each vector v (index i) that each_vec hands this thread, and stored at
+// scales[row] by the thread that `writes`.
+template <int VEC, typename YOf, typename EachVec>
+__device__ __forceinline__ float row_fp8_scale(const YOf& y_of, const EachVec& each_vec, int threads_per_row,
+                                               float* scratch, const float* static_scale, float* scales,
+                                               int64_t row, bool writes) {
+  if (static_scale != nullptr) return *static_scale;
+  float amax = 0.f;
+  each_vec([&](const auto& v, int i) {
+    float f[VEC];
+    y_of(v, i, f);
+    amax = fp8_amax_of(amax, f);
+  });
+  const float scale = fp8_scale_of(row_amax(amax, threads_per_row, scratch));
+  if (writes) scales[row] = scale;
+  return scale;
 }
 
 }  // namespace ltx

@@ -65,10 +65,8 @@ constexpr int kDeviceArch = __CUDA_ARCH__;
 constexpr int kDeviceArch = 0;  // the host pass: no kernel body runs there
 #endif
 
-// O = Fp8E4m3 is the FP8 output mode: out holds e4m3 bytes, each row's y (the fp32 value an
-// fp32 out would hold) divided by the row's scale (fp8_math.h), with the scales in the base.
 template <typename T, typename W, typename O>
-struct NormParams : Fp8OutParams<O> {
+struct NormParams {
   O* out;             // [rows, cols], rows out_stride apart; nullptr without a norm
   T* residual_out;    // [rows, cols] or nullptr
   float2* stats;      // [rows] (mean, rstd) or nullptr
@@ -85,6 +83,14 @@ struct NormParams : Fp8OutParams<O> {
   int cols;
   float eps, inv_cols, weight_offset;
   bool cast_before_weight;
+};
+// The FP8 output mode (O = Fp8E4m3): out holds e4m3 bytes, each row's y (the fp32 value an
+// fp32 out would hold) divided by the row's scale (fp8_math.h). A specialization, so that the
+// other outputs' parameters (and kernels) stay as they are.
+template <typename T, typename W>
+struct NormParams<T, W, Fp8E4m3> : NormParams<T, W, uint8_t> {
+  float* scales;              // [rows], or nullptr (static)
+  const float* static_scale;  // one element, or nullptr (dynamic)
 };
 
 // CACHED vectors a thread stay in registers; with one or two (the launches of
@@ -110,6 +116,18 @@ constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, b
   if (cached == 1) return weighted || layer_residual ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
   if (cached == 2 && fp8) return kFp8TwoVecMinBlocks;
   return cached == 2 ? kTwoVecMinBlocks : 0;
+}
+
+// y of one element as norm_kernel's write makes it, for its FP8 output (the other outputs'
+// write keeps its own text, so that their instantiations compile as they did).
+template <typename T, bool MODULATE>
+__device__ __forceinline__ float normed_value(float x, float mean, float rstd, bool cast, bool weighted,
+                                              float weight_offset, float w, float sc, float sh) {
+  float y = (x - mean) * rstd;
+  if (cast) y = to_float(from_float<T>(y));
+  if (weighted) y *= weight_offset + w;
+  if constexpr (MODULATE) y = y * (1.f + sc) + sh;
+  return y;
 }
 
 // NORMED: the norm follows the residual add; without it (the gated residual alone) the row
@@ -268,117 +286,115 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       }
       sum_sq = row_sum(acc, threads_per_row, scratch[1]);
     }
-    // The FP8 mode's inactive threads still take part in the amax reduction.
-    constexpr bool kFp8 = kFp8Out<O>;
-    if (!kFp8 && !active) return;
-    const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
-    if constexpr (!kFp8) {  // the FP8 mode has no statistics (launch asserts it)
-      if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
-    }
-
-    O* y_row = p.out + r * p.out_stride;
-    // y of vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
-    auto normed = [&](const Vec<T, VEC>& v, int i, int k, float (&f)[VEC]) {
-      Vec<W, VEC> w;
-      Vec<T, VEC> sc, sh;
-      bool preloaded = false;
-      if constexpr (kPreload) {
-        preloaded = k >= 0;
-        if (preloaded) {
-          if constexpr (kWeighted) w = pre_w[k];
-          if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
-        }
-      }
-      if (!preloaded) {
-        if (weighted) w = load_vec<W, VEC>(p.weight, i);
-        if constexpr (MODULATE) {
-          sc = load_vec<T, VEC>(scale, i);
-          sh = load_vec<T, VEC>(shift, i);
-        }
-      }
-      float wf[VEC], scf[VEC], shf[VEC];
-      to_floats(v, f);
-      if (weighted) to_floats(w, wf);
-      if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
+    if constexpr (kFp8Out<O>) {
+      // The FP8 output (no statistics: launch asserts it); inactive threads take part in
+      // the amax reduction. Its write operands load again at use (L1), not from the preloads.
+      const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+      const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
+        float wf[VEC] = {}, scf[VEC] = {}, shf[VEC] = {};
+        to_floats(v, f);
+        if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
+        if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        f[j] = (f[j] - mean) * rstd;
-        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
-        if (weighted) f[j] *= p.weight_offset + wf[j];
-        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
-      }
-    };
-    // The FP8 row's scale: the static one, or from the amax of y recomputed from the
-    // registers (and re-read vectors) rather than kept in more of them.
-    float fp8_scale = 0.f;
-    if constexpr (kFp8) {
-      if (p.static_scale != nullptr) {
-        fp8_scale = *p.static_scale;
-      } else {
-        __shared__ float amax_scratch[32];
-        float amax = 0.f;
-        auto take = [&](const Vec<T, VEC>& v, int i, int k) {
-          float f[VEC];
-          normed(v, i, k, f);
-          amax = fp8_amax_of(amax, f);
-        };
+        for (int j = 0; j < VEC; ++j) {
+          f[j] = normed_value<T, MODULATE>(f[j], mean, rstd, p.cast_before_weight, weighted, p.weight_offset,
+                                           wf[j], scf[j], shf[j]);
+        }
+      };
+      const auto each_vec = [&](auto&& take) {
 #pragma unroll
         for (int k = 0; k < CACHED; ++k) {
           const int i = t + k * threads_per_row;
-          if (active && i < nvec) take(cached[k], i, k);
+          if (active && i < nvec) take(cached[k], i);
         }
         for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-          take(load_vec<T, VEC>(reread, i), i, -1);
+          take(load_vec<T, VEC>(reread, i), i);
         }
-        fp8_scale = fp8_scale_of(row_amax(amax, threads_per_row, amax_scratch));
-        if (active && t == 0) p.scales[r] = fp8_scale;
-      }
-      if (!active) return;
-    }
-    auto write = [&](const Vec<T, VEC>& v, int i, int k) {
-      float f[VEC];
-      normed(v, i, k, f);
-      if constexpr (kFp8) {
+      };
+      __shared__ float amax_scratch[32];
+      const float fp8_scale =
+          row_fp8_scale<VEC>(y_of, each_vec, threads_per_row, amax_scratch, p.static_scale, p.scales, r, active && t == 0);
+      uint8_t* y_row = p.out + r * p.out_stride;
+      each_vec([&](const Vec<T, VEC>& v, int i) {
+        float f[VEC];
+        y_of(v, i, f);
         store_fp8<VEC>(y_row, i, f, fp8_scale);
-      } else {
-        store_vec<O, VEC>(y_row, i, from_floats<O>(f));
-      }
-    };
+      });
+    } else {
+      if (!active) return;
+      const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+      if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
+
+      O* y_row = p.out + r * p.out_stride;
+      // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
+      auto write = [&](const Vec<T, VEC>& v, int i, int k) {
+        Vec<W, VEC> w;
+        Vec<T, VEC> sc, sh;
+        bool preloaded = false;
+        if constexpr (kPreload) {
+          preloaded = k >= 0;
+          if (preloaded) {
+            if constexpr (kWeighted) w = pre_w[k];
+            if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
+          }
+        }
+        if (!preloaded) {
+          if (weighted) w = load_vec<W, VEC>(p.weight, i);
+          if constexpr (MODULATE) {
+            sc = load_vec<T, VEC>(scale, i);
+            sh = load_vec<T, VEC>(shift, i);
+          }
+        }
+        float f[VEC], wf[VEC], scf[VEC], shf[VEC];
+        to_floats(v, f);
+        if (weighted) to_floats(w, wf);
+        if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
 #pragma unroll
-    for (int k = 0; k < CACHED; ++k) {
-      const int i = t + k * threads_per_row;
-      if (i < nvec) write(cached[k], i, k);
-    }
-    for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
-      write(load_vec<T, VEC>(reread, i), i, -1);
+        for (int j = 0; j < VEC; ++j) {
+          f[j] = (f[j] - mean) * rstd;
+          if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
+          if (weighted) f[j] *= p.weight_offset + wf[j];
+          if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
+        }
+        store_vec<O, VEC>(y_row, i, from_floats<O>(f));
+      };
+#pragma unroll
+      for (int k = 0; k < CACHED; ++k) {
+        const int i = t + k * threads_per_row;
+        if (i < nvec) write(cached[k], i, k);
+      }
+      for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
+        write(load_vec<T, VEC>(reread, i), i, -1);
+      }
     }
   }
 }
 
 template <typename T, typename W, typename O>
 NormParams<T, W, O> make_params(const NormArgs& a) {
-  // Rows find their (batch, token) operands by a 32-bit division.
-  const bool per_row_operands = a.scale.ptr != nullptr || a.gate.ptr != nullptr;
-  TORCH_CHECK(!per_row_operands || a.rows <= INT32_MAX, "norm: AdaLN and the gated residual take at most 2^31 - 1 ",
-              "rows on CUDA, got ", a.rows);
-  NormParams<T, W, O> p{{},
-                        static_cast<O*>(a.out),
-          static_cast<T*>(a.residual_out),
-          reinterpret_cast<float2*>(a.stats),
-          static_cast<const T*>(a.input),
-          static_cast<const T*>(a.residual),
-          static_cast<const W*>(a.weight),
-          static_cast<const T*>(a.gate.ptr),
-          static_cast<const T*>(a.scale.ptr),
-          static_cast<const T*>(a.shift.ptr),
-          a.gate.batch_stride, a.gate.token_stride, a.scale.batch_stride, a.scale.token_stride,
-          a.shift.batch_stride, a.shift.token_stride,
-          a.rows, IntDivider(per_row_operands ? a.tokens : 1),
-          a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
-          static_cast<int>(a.cols),
-          a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
-  if constexpr (kFp8Out<O>) p.scales = a.fp8_scales, p.static_scale = a.fp8_static_scale;
-  return p;
+  if constexpr (kFp8Out<O>) {
+    return {make_params<T, W, uint8_t>(a), a.fp8_scales, a.fp8_static_scale};
+  } else {
+    // Rows find their (batch, token) operands by a 32-bit division.
+    const bool per_row_operands = a.scale.ptr != nullptr || a.gate.ptr != nullptr;
+    TORCH_CHECK(!per_row_operands || a.rows <= INT32_MAX, "norm: AdaLN and the gated residual take at most ",
+                "2^31 - 1 rows on CUDA, got ", a.rows);
+    return {static_cast<O*>(a.out),
+            static_cast<T*>(a.residual_out),
+            reinterpret_cast<float2*>(a.stats),
+            static_cast<const T*>(a.input),
+            static_cast<const T*>(a.residual),
+            static_cast<const W*>(a.weight),
+            static_cast<const T*>(a.gate.ptr),
+            static_cast<const T*>(a.scale.ptr),
+            static_cast<const T*>(a.shift.ptr),
+            a.gate.batch_stride, a.gate.token_stride, a.scale.batch_stride, a.scale.token_stride,
+            a.shift.batch_stride, a.shift.token_stride,
+            a.rows, IntDivider(per_row_operands ? a.tokens : 1),
+            a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
+            static_cast<int>(a.cols),
+            a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+  }
 }
 
 // Whether every pointer and stride allows VEC-wide accesses.
@@ -407,7 +423,7 @@ template <typename T, typename W, typename O, int VEC, bool CAST>
 __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
     rms_norm_row_kernel(const T* __restrict__ input, const W* __restrict__ weight, O* __restrict__ out,
                         int64_t input_stride, int64_t out_stride, int nvec, float eps, float inv_cols,
-                        float weight_offset, const Fp8OutParams<O> fp8) {
+                        float weight_offset) {
   __shared__ float scratch[32];
   const int i0 = threadIdx.x, i1 = threadIdx.x + blockDim.x;
   const bool has0 = i0 < nvec, has1 = i1 < nvec;
@@ -438,32 +454,6 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   if constexpr (!CAST) weigh(f0, w0), weigh(f1, w1);
   const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
   O* y = out + blockIdx.x * out_stride;
-  if constexpr (kFp8Out<O>) {  // y as the fp32 out's write makes it, then its amax, then e4m3
-    auto normed = [&](float (&f)[VEC], const Vec<W, VEC>& w) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        f[j] *= rstd;
-        if constexpr (CAST) f[j] = to_float(from_float<T>(f[j]));
-      }
-      if constexpr (CAST) weigh(f, w);
-    };
-    normed(f0, w0);
-    normed(f1, w1);
-    float scale;
-    if (fp8.static_scale != nullptr) {
-      scale = *fp8.static_scale;
-    } else {
-      __shared__ float amax_scratch[32];
-      float amax = 0.f;
-      if (has0) amax = fp8_amax_of(amax, f0);
-      if (has1) amax = fp8_amax_of(amax, f1);
-      scale = fp8_scale_of(row_amax(amax, blockDim.x, amax_scratch));
-      if (threadIdx.x == 0) fp8.scales[blockIdx.x] = scale;
-    }
-    if (has0) store_fp8<VEC>(y, i0, f0, scale);
-    if (has1) store_fp8<VEC>(y, i1, f1, scale);
-    return;
-  }
   auto write = [&](float (&f)[VEC], const Vec<W, VEC>& w, int i) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) f[j] *= rstd;
@@ -496,10 +486,6 @@ constexpr int kWideStagedVecs = 8;
 // an fp32 weight or output, eight vectors a thread spill.
 template <typename T, typename W, typename O>
 constexpr bool kWideRows = std::is_same_v<W, T> && std::is_same_v<O, T>;
-// The type whose run an FP8 output's launch copies: the fp32 out's, so that y is that run's
-// fp32 value bit for bit (the launch choice fixes each row's summation order and kernel).
-template <typename O>
-using launch_out_t = std::conditional_t<kFp8Out<O>, float, O>;
 // Dynamic shared memory the wide rows of `nvec` vectors stage past the registers of a
 // block of plain rows (0 when they fit in registers).
 inline std::size_t wide_staged_bytes(int64_t nvec) {
@@ -513,12 +499,10 @@ inline std::size_t wide_staged_bytes(int64_t nvec) {
 // dynamic shared memory (see kWideStagedVecs), copied there without registers. In place
 // (out == input) stays correct as above. Past-the-end vectors stay out of the sum (zeroing
 // them spilled).
-// O is T, or Fp8E4m3 (the FP8 output mode, as norm_kernel's).
-template <typename T, int VEC, bool WEIGHTED, bool CAST, bool STAGED, typename O = T>
+template <typename T, int VEC, bool WEIGHTED, bool CAST, bool STAGED>
 __global__ void __launch_bounds__(max_block(false, false))
-    rms_norm_wide_row_kernel(const T* __restrict__ input, const T* weight, O* out, int64_t input_stride,
-                             int64_t out_stride, int nvec, float eps, float inv_cols, float weight_offset,
-                             const Fp8OutParams<O> fp8) {
+    rms_norm_wide_row_kernel(const T* __restrict__ input, const T* weight, T* out, int64_t input_stride,
+                             int64_t out_stride, int nvec, float eps, float inv_cols, float weight_offset) {
   __shared__ float scratch[32];
   extern __shared__ uint4 staged_storage[];
   Vec<T, VEC>* staged = reinterpret_cast<Vec<T, VEC>*>(staged_storage);  // vector i at i - kWideCachedVecs * blockDim.x
@@ -540,13 +524,10 @@ __global__ void __launch_bounds__(max_block(false, false))
     const int i = threadIdx.x + k * blockDim.x;
     if (i < nvec) copy_to_shared(staged + (i - cached_end), x + static_cast<int64_t>(i) * VEC);
   }
-  // The FP8 output loads its weight at use (its amax pass brought it to L1): the vectors
-  // ahead spill on sm_80 there.
-  constexpr bool kWeightAhead = WEIGHTED && !kFp8Out<O>;
 #pragma unroll
   for (int k = 0; k < kWideWeightAhead; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
-    if (kWeightAhead && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
+    if (WEIGHTED && i < nvec) w[k] = load_vec<T, VEC>(weight, i);
   }
   // Vector k of this thread's part of the row (i < nvec); the inner test keeps row's index
   // in range where k is a staged vector.
@@ -563,35 +544,7 @@ __global__ void __launch_bounds__(max_block(false, false))
     for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
   }
   const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
-  O* y = out + blockIdx.x * out_stride;
-  // The FP8 row's scale: from the amax of y recomputed from the row (the weight re-read).
-  float fp8_scale = 0.f;
-  if constexpr (kFp8Out<O>) {
-    if (fp8.static_scale != nullptr) {
-      fp8_scale = *fp8.static_scale;
-    } else {
-      __shared__ float amax_scratch[32];
-      float amax = 0.f;
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i >= nvec) break;
-        float f[VEC];
-        [[maybe_unused]] float wf[VEC];
-        to_floats(vec_at(k, i), f);
-        if constexpr (WEIGHTED) to_floats(load_vec<T, VEC>(weight, i), wf);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          f[j] *= rstd;
-          if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
-          if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
-        }
-        amax = fp8_amax_of(amax, f);
-      }
-      fp8_scale = fp8_scale_of(row_amax(amax, blockDim.x, amax_scratch));
-      if (threadIdx.x == 0) fp8.scales[blockIdx.x] = fp8_scale;
-    }
-  }
+  T* y = out + blockIdx.x * out_stride;
   // PAIRED: the Llama order without a weight offset multiplies the rounded row by the weight
   // in 16-bit pairs (mul_rounded: the same result, the write in three instructions an
   // element instead of six, sm_90 SASS; docs/decisions.md).
@@ -606,29 +559,24 @@ __global__ void __launch_bounds__(max_block(false, false))
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] *= rstd;
       if constexpr (PAIRED) {
-        if constexpr (!kFp8Out<O>) store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f), w[k % kWideWeightAhead]));
+        store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f), w[k % kWideWeightAhead]));
       } else {
         float wf[VEC];
-        if constexpr (kWeightAhead) to_floats(w[k % kWideWeightAhead], wf);
-        else if constexpr (WEIGHTED) to_floats(load_vec<T, VEC>(weight, i), wf);
+        if constexpr (WEIGHTED) to_floats(w[k % kWideWeightAhead], wf);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           if constexpr (WEIGHTED && CAST) f[j] = to_float(from_float<T>(f[j]));
           if constexpr (WEIGHTED) f[j] *= weight_offset + wf[j];
         }
-        if constexpr (kFp8Out<O>) {
-          store_fp8<VEC>(y, i, f, fp8_scale);
-        } else {
-          store_vec<T, VEC>(y, i, from_floats<T>(f));
-        }
+        store_vec<T, VEC>(y, i, from_floats<T>(f));
       }
       const int next = i + kWideWeightAhead * blockDim.x;
-      if (kWeightAhead && k + kWideWeightAhead < kVecs && next < nvec) {
+      if (WEIGHTED && k + kWideWeightAhead < kVecs && next < nvec) {
         w[k % kWideWeightAhead] = load_vec<T, VEC>(weight, next);
       }
     }
   };
-  if constexpr (WEIGHTED && CAST && kPackedMul<T> && !kFp8Out<O>) {
+  if constexpr (WEIGHTED && CAST && kPackedMul<T>) {
     if (weight_offset == 0.f) return write_row(std::true_type{});
   }
   write_row(std::false_type{});
@@ -642,8 +590,6 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
                         "rms_norm rows: no statistics, and a weight for two vectors a thread");
   TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
   const std::size_t staged = cached == kWideCachedVecs ? wide_staged_bytes(a.cols / VEC) : 0;
-  Fp8OutParams<O> fp8{};
-  if constexpr (kFp8Out<O>) fp8.scales = a.fp8_scales, fp8.static_scale = a.fp8_static_scale;
   const auto run = [&](auto kernel) {
     if (staged > 0) {  // asks for the shared memory beyond 48 KB
       TORCH_CHECK(max_blocks_per_sm(reinterpret_cast<const void*>(kernel), a.device.index(), block, staged) > 0,
@@ -651,20 +597,20 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
     }
     kernel<<<static_cast<unsigned>(a.rows), block, staged, stream>>>(static_cast<const T*>(a.input), static_cast<const W*>(a.weight),
                                          static_cast<O*>(a.out), a.input_stride, a.out_stride,
-                                         static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset, fp8);
+                                         static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset);
     check_launch();
   };
   // Rounding an fp32 row to fp32 changes nothing: no second fp32 instantiation.
   const bool cast = sizeof(T) == 2 && a.cast_before_weight;
-  if constexpr (kWideRows<T, W, launch_out_t<O>>) {
+  if constexpr (kWideRows<T, W, O>) {
     if (cached == kWideCachedVecs) {
       const auto wide = [&](auto staged_rows) {
         constexpr bool S = decltype(staged_rows)::value;
-        if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false, S, O>);
+        if (a.weight == nullptr) return run(rms_norm_wide_row_kernel<T, VEC, false, false, S>);
         if constexpr (sizeof(T) == 2) {
-          if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true, S, O>);
+          if (cast) return run(rms_norm_wide_row_kernel<T, VEC, true, true, S>);
         }
-        return run(rms_norm_wide_row_kernel<T, VEC, true, false, S, O>);
+        return run(rms_norm_wide_row_kernel<T, VEC, true, false, S>);
       };
       return staged > 0 ? wide(std::true_type{}) : wide(std::false_type{});
     }
@@ -674,6 +620,91 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
     if (cast) return run(rms_norm_row_kernel<T, W, O, VEC, true>);
   }
   run(rms_norm_row_kernel<T, W, O, VEC, false>);
+}
+
+// The FP8 output of the rows launch_rms_norm_rows takes (a block a row): y as the fp32 out's
+// row kernel makes it, so the same kernel's order: each thread's vectors i = threadIdx.x +
+// k * blockDim.x summed in turn, then block_sum. The two-vector rows (WIDE false, any T,
+// a weight) weigh before the reduction, (x * w) * rstd, or round x * rstd to T first (CAST);
+// the wide rows (WIDE, fp32 only: 16-bit rows have no wide fp32-out launch) take
+// (x * rstd) * w, without a weight too. Two vectors stay in registers, the wide rows' others
+// are read again (L1, L2): these rows are rare in FP8 (fp32 input wider than 8192).
+template <typename T, typename W, int VEC, bool CAST, bool WIDE>
+__global__ void __launch_bounds__(max_block(false, false))
+    rms_norm_row_fp8_kernel(const T* __restrict__ input, const W* __restrict__ weight, uint8_t* __restrict__ out,
+                            int64_t input_stride, int64_t out_stride, int nvec, float eps, float inv_cols,
+                            float weight_offset, float* __restrict__ scales, const float* __restrict__ static_scale) {
+  static_assert(!WIDE || (std::is_same_v<T, float> && !CAST), "rms_norm FP8 rows: wide rows are fp32");
+  constexpr int kHeld = 2;  // the two-vector launch's whole row
+  __shared__ float scratch[32], amax_scratch[32];
+  const T* x = input + blockIdx.x * input_stride;
+  Vec<T, VEC> held[kHeld];
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) held[k] = load_vec<T, VEC>(x, i);
+  }
+  const auto each_vec = [&](auto&& take) {
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) take(held[k], i);
+    }
+    for (int i = threadIdx.x + kHeld * blockDim.x; WIDE && i < nvec; i += blockDim.x) take(load_vec<T, VEC>(x, i), i);
+  };
+  float sum_sq = 0.f;
+  each_vec([&](const Vec<T, VEC>& v, int) {
+    float f[VEC];
+    to_floats(v, f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
+  });
+  const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
+  const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
+    float wf[VEC] = {};
+    to_floats(v, f);
+    if (weight != nullptr) to_floats(load_vec<W, VEC>(weight, i), wf);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if constexpr (WIDE) {
+        f[j] *= rstd;
+        if (weight != nullptr) f[j] *= weight_offset + wf[j];
+      } else if constexpr (CAST) {
+        f[j] = to_float(from_float<T>(f[j] * rstd)) * (weight_offset + wf[j]);
+      } else {
+        f[j] = f[j] * (weight_offset + wf[j]) * rstd;
+      }
+    }
+  };
+  const float scale = row_fp8_scale<VEC>(y_of, each_vec, blockDim.x, amax_scratch, static_scale, scales, blockIdx.x,
+                                         threadIdx.x == 0);
+  uint8_t* y = out + blockIdx.x * out_stride;
+  each_vec([&](const Vec<T, VEC>& v, int i) {
+    float f[VEC];
+    y_of(v, i, f);
+    store_fp8<VEC>(y, i, f, scale);
+  });
+}
+
+// The FP8 output's launch of the rows launch_rms_norm_rows would run for the fp32 out.
+template <typename T, typename W, int VEC>
+void launch_rms_norm_rows_fp8(const NormArgs& a, int cached, int block, cudaStream_t stream) {
+  TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm_fp8: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
+  const auto run = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(a.rows), block, 0, stream>>>(
+        static_cast<const T*>(a.input), static_cast<const W*>(a.weight), static_cast<uint8_t*>(a.out), a.input_stride,
+        a.out_stride, static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset, a.fp8_scales,
+        a.fp8_static_scale);
+    check_launch();
+  };
+  if constexpr (kWideRows<T, W, float>) {
+    if (cached == kWideCachedVecs) return run(rms_norm_row_fp8_kernel<T, W, VEC, false, true>);
+  }
+  TORCH_INTERNAL_ASSERT(cached == 2 && a.weight != nullptr, "rms_norm_fp8 rows: two vectors a thread, a weight");
+  if constexpr (sizeof(T) == 2) {
+    if (a.cast_before_weight) return run(rms_norm_row_fp8_kernel<T, W, VEC, true, false>);
+  }
+  run(rms_norm_row_fp8_kernel<T, W, VEC, false, false>);
 }
 
 // An instantiation of norm_kernel over the rows, as `cfg` lays them out in blocks.
@@ -706,7 +737,9 @@ constexpr int kFp32FourVecBlock = 512;
 template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE, bool NORMED = true>
 void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
-  using LO = launch_out_t<O>;
+  // The FP8 output takes the fp32 out's launch, so that y is that run's fp32 value bit for
+  // bit (the launch fixes each row's kernel and summation order).
+  using LO = std::conditional_t<kFp8Out<O>, float, O>;
   TORCH_INTERNAL_ASSERT(!kFp8Out<O> || a.stats == nullptr, "norm: the FP8 output has no statistics");
   const bool vector = vectorizable<T, W, LO, V>(a);
   const int vec = vector ? V : 1;
@@ -740,7 +773,8 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {
     const bool row_kernel = (cached == 2 && a.weight != nullptr) || cached == kWideCachedVecs;
     if (row_kernel && cfg.threads_per_row == cfg.block && a.stats == nullptr) {
-      return launch_rms_norm_rows<T, W, O, V>(a, cached, cfg.block, stream);
+      if constexpr (kFp8Out<O>) return launch_rms_norm_rows_fp8<T, W, V>(a, cached, cfg.block, stream);
+      else return launch_rms_norm_rows<T, W, O, V>(a, cached, cfg.block, stream);
     }
   }
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
