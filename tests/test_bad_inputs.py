@@ -75,6 +75,9 @@ class Api:
     bad_primary_ranks: tuple = ()
     # CUDA keeps a whole row in registers (qk_norm_rope): C up to 16384, or 4096 unaligned
     cuda_row_limit: bool = False
+    takes_float64: bool = True  # the CPU ops take an all-float64 call (FP8 has no float64 form)
+    rtol: float = 0.0  # at least these tolerances, whatever the input dtype
+    atol: float = 0.0
 
     @property
     def primary(self) -> Arg:
@@ -395,7 +398,36 @@ LAYER_APIS = [
         lambda t: [(gelu_ref(t["x"], "tanh"), t["x"].dtype)]),
 ]
 
-APIS = NORM_APIS + ROPE_APIS + ACTIVATION_APIS + LAYER_APIS
+
+
+def dequantized(q_and_scales):
+    """An FP8 call's (q, scales) as the values they stand for, q * scale in fp32."""
+    q, scales = q_and_scales
+    return (q.float() * scales,)
+
+
+def fp8_ref(y):
+    """The fp64 result an FP8 row approximates; a row with a NaN or an infinity has a NaN
+    (or infinite) amax, so a NaN scale or NaN quotients: every dequantized element NaN."""
+    return [(y.masked_fill(~y.isfinite().all(-1, keepdim=True), float("nan")), torch.float32)]
+
+
+# The FP8 producers, their results dequantized: within half an e4m3 step (3 mantissa bits)
+# of the fp64 value; subnormal quotients err by up to amax / 448 * 2^-10 (amax < 45 here).
+FP8_KW = dict(takes_float64=False, rtol=2.0 ** -4 + 1e-3, atol=1e-4)
+FP8_APIS = [
+    Api("quantize_fp8", (ROWS_IN,), make_rows("x"), lambda k, t: dequantized(k.quantize_fp8(t["x"])),
+        lambda t: fp8_ref(t["x"].double()), **FP8_KW),
+    Api("rms_norm_fp8", (ROWS_IN, WEIGHT), with_weight(make_rows("x", scale=3.0)),
+        lambda k, t: dequantized(k.rms_norm_fp8(t["x"], t["weight"], EPS)),
+        lambda t: fp8_ref(rms_norm_ref(t["x"], t["weight"], EPS)), **FP8_KW),
+    Api("adaln_fp8", (ROWS_IN, Arg("scale", "scale", **MOD), Arg("shift", "shift", **MOD)),
+        make_mod(("scale", "shift")),
+        lambda k, t: dequantized(k.adaln_fp8(t["x"], t["scale"], t["shift"], EPS, norm="rms")),
+        lambda t: fp8_ref(adaln_ref(t["x"], t["scale"], t["shift"], "rms")), bad_primary_ranks=(1, 4), **FP8_KW),
+]
+
+APIS = NORM_APIS + ROPE_APIS + ACTIVATION_APIS + LAYER_APIS + FP8_APIS
 
 
 # ---------------------------------------------------------------------------- perturbations
@@ -597,7 +629,7 @@ def float64_case(api: Api, arg: Arg, dtype: torch.dtype, refuse: Refuse):
     def perturb(t, target):
         t[arg.key] = t[arg.key].double()
         if target.device == "cpu" and arg is api.primary and not api.name.startswith("layers."):
-            if len(t) == 1:
+            if len(t) == 1 and api.takes_float64:
                 return REFERENCE
             return Refuse(tuple(a.says for a in api.args if a.key in t))
         return REFERENCE if arg.accepts(torch.float64, dtype) else refuse
@@ -757,7 +789,9 @@ BACKWARD_OPS = {"rms_norm": ("rms_norm_backward",), "fused_add_rms_norm": ("rms_
                 "adaln": ("adaln_backward",), "gated_residual": ("gated_residual_backward",),
                 "gated_residual_adaln": ("gated_residual_adaln_backward",), "rope": ("rope_backward",),
                 "qk_norm_rope": ("rope_backward", "rms_norm_backward"), "gelu": ("gelu_backward",),
-                "gelu_mul": ("gelu_mul_backward",), "geglu": ("geglu_backward",)}
+                "gelu_mul": ("gelu_mul_backward",), "geglu": ("geglu_backward",),
+                # no derivative: the call itself refuses an input that requires grad
+                "quantize_fp8": ("quantize_fp8",), "rms_norm_fp8": ("rms_norm_fp8",), "adaln_fp8": ("adaln_fp8",)}
 
 
 def double_backward(call):
@@ -930,8 +964,8 @@ def _report_case_count(request):
 
 def check_outputs(api: Api, outputs, expected, dtype):
     assert len(outputs) == len(expected)
-    rtol = TOLERANCE[dtype]["rtol"] * api.roundings
-    atol = max(1e-5, api.atol_ulps * TOLERANCE[dtype]["rtol"])
+    rtol = max(TOLERANCE[dtype]["rtol"] * api.roundings, api.rtol)
+    atol = max(1e-5, api.atol_ulps * TOLERANCE[dtype]["rtol"], api.atol)
     for actual, (want, want_dtype) in zip(outputs, expected):
         assert actual.dtype == want_dtype, f"dtype {actual.dtype}, expected {want_dtype}"
         assert actual.shape == want.shape, f"shape {tuple(actual.shape)}, expected {tuple(want.shape)}"
