@@ -23,7 +23,11 @@ def fp8_device(kernel, device):
 
 
 def reference_quantize(y: torch.Tensor, scale=None):
-    """The quantizer in PyTorch: fp32 y, per-row scales (or the static one) and e4m3 q."""
+    """The quantizer in PyTorch: fp32 y, per-row scales (or the static one) and e4m3 q. On
+    the CPU: CUDA's division by a Python number multiplies by its reciprocal (amax * (1/448)
+    is an ulp off amax / 448 for some amax)."""
+    y = y.cpu()
+    scale = scale.cpu() if isinstance(scale, torch.Tensor) else scale
     if scale is None:
         amax = y.abs().amax(-1, keepdim=True) if y.shape[-1] else torch.zeros_like(y[..., :1])
         scale = amax.clamp(min=1e-12) / E4M3_MAX
@@ -277,8 +281,9 @@ def test_scaled_mm_with_the_outputs(kernel, fp8_device):
         got = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError) as e:
         pytest.fail(f"torch._scaled_mm refused the outputs: {e}")
-    want = (qa.float() * sa) @ (qb.float() * sb).t()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # In fp64 on the CPU: a CUDA fp32 matmul may round its operands to TF32.
+    want = (qa.double().cpu() * sa.double().cpu()) @ (qb.double().cpu() * sb.double().cpu()).t()
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_refusals(kernel, fp8_device):
