@@ -37,9 +37,14 @@ struct NormArgs {
   at::ScalarType dtype = at::kFloat;  // input, residual, gate, scale, shift, residual_out
   bool weight_fp32 = false;           // weight is fp32 while the input is fp16/bf16
   bool out_fp32 = false;              // out is fp32 while the input is fp16/bf16
+  // out is float8_e4m3fn: the fp32 value of the out_fp32 (or fp32 input) run, quantized by
+  // fp8_math.h with a scale per row into fp8_scales, or by *fp8_static_scale.
+  bool out_fp8 = false;
   c10::Device device = c10::Device(c10::kCPU);
 
   void* out = nullptr;           // [rows, cols], or nullptr (not normed)
+  float* fp8_scales = nullptr;              // [rows] (out_fp8, dynamic), or nullptr
+  const float* fp8_static_scale = nullptr;  // one element (out_fp8, static), or nullptr
   void* residual_out = nullptr;  // [rows, cols] residual + input (* gate), or nullptr
   float* stats = nullptr;        // [rows, 2] each row's mean (0 for RMS) and rstd, or nullptr
   const void* input = nullptr;

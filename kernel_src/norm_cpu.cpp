@@ -2,6 +2,7 @@
 // and roundings (fp32 accumulation, the residual sum rounded to the input dtype, one
 // rounding at the end; float64 tensors in double), rows spread over threads.
 #include "cpu_parallel.h"
+#include "fp8_math.h"
 #include "norm.h"
 
 #include <algorithm>
@@ -133,6 +134,10 @@ LTX_ROW_PASS void norm_rows(const NormArgs& a, NormWriter<T, W, O> write, int64_
   const A inv_cols = A(1) / static_cast<A>(n);  // a.inv_cols in fp32
   std::vector<A> buffer(n);                     // the row in fp32 (double), after the residual add
   A* __restrict v = buffer.data();
+  // The FP8 output: the fp32 out's row written here (out_stride 0), then quantized into out.
+  std::vector<float> fp8_row(a.out_fp8 ? n : 0);
+  NormArgs y_args = a;
+  if (a.out_fp8) y_args.out = fp8_row.data(), y_args.out_stride = 0;
   for (int64_t r = begin; r < end; ++r) {
     const int64_t batch = r / a.tokens;
     const int64_t token = r - batch * a.tokens;
@@ -171,7 +176,11 @@ LTX_ROW_PASS void norm_rows(const NormArgs& a, NormWriter<T, W, O> write, int64_
     if (a.kind == NormKind::kLayer) mean = row_mean<A>(row, n, inv_cols);
     const A rstd = A(1) / std::sqrt(sum_of<A>(row, n, mean, true) * inv_cols + a.eps);
     if (a.stats != nullptr) a.stats[2 * r] = static_cast<float>(mean), a.stats[2 * r + 1] = static_cast<float>(rstd);
-    write(a, row, mean, rstd, r, batch, token);
+    write(y_args, row, mean, rstd, r, batch, token);
+    if (a.out_fp8) {
+      fp8_quantize_row(fp8_row.data(), n, static_cast<c10::Float8_e4m3fn*>(a.out) + r * a.out_stride,
+                       a.fp8_scales != nullptr ? a.fp8_scales + r : nullptr, a.fp8_static_scale);
+    }
   }
 }
 
@@ -334,6 +343,9 @@ void run_norm_backward_cpu(const NormBackwardArgs& a) {
 void run_norm_cpu(const NormArgs& a) {
   LTX_DISPATCH_CPU_FLOAT_TYPES(a.dtype, "norm", [&] {
     using T = scalar_t;
+    if constexpr (!std::is_same_v<T, double>) {  // FP8 outputs refuse float64
+      if (a.out_fp8) return a.weight_fp32 ? run<T, float, float>(a) : run<T, T, float>(a);  // y in fp32
+    }
     with_weight_types<T>(a.weight_fp32, a.out_fp32, [&](auto w, auto o) {
       run<T, typename decltype(w)::type, typename decltype(o)::type>(a);
     });

@@ -3,6 +3,28 @@
 #include "norm_forward.cuh"
 
 namespace ltx {
+namespace {
+
+// The FP8 output mode (O = Fp8E4m3): AdaLN, or RMSNorm with its weight as the fp32 out's
+// (fp32 beside 16-bit input). No residual add before it: the gated residual's four-vector
+// rows spill at their 128-register bound with it (sm_75, sm_90).
+template <typename T>
+void run_fp8(const NormArgs& a, cudaStream_t stream) {
+  using norm_cuda::launch;
+  TORCH_INTERNAL_ASSERT(a.residual == nullptr, "norm: no FP8 output after a residual add");
+  if (a.scale.ptr != nullptr) {
+    return a.kind == NormKind::kLayer ? launch<T, T, Fp8E4m3, NormKind::kLayer, false, true>(a, stream)
+                                      : launch<T, T, Fp8E4m3, NormKind::kRms, false, true>(a, stream);
+  }
+  if constexpr (sizeof(T) == 2) {
+    TORCH_INTERNAL_ASSERT(a.weight_fp32, "norm: FP8 RMSNorm of 16-bit rows takes an fp32 weight (the fp32 out's)");
+    launch<T, float, Fp8E4m3, NormKind::kRms, false, false>(a, stream);
+  } else {
+    launch<T, T, Fp8E4m3, NormKind::kRms, false, false>(a, stream);
+  }
+}
+
+}  // namespace
 
 void run_norm_cuda(const NormArgs& a) {
   using norm_cuda::launch;
@@ -14,6 +36,7 @@ void run_norm_cuda(const NormArgs& a) {
     if (!a.normed) {  // the gated residual alone: the residual add, no norm (KIND unused)
       return launch<T, T, T, NormKind::kRms, true, false, /*NORMED=*/false>(a, stream);
     }
+    if (a.out_fp8) return run_fp8<T>(a, stream);
     if (a.scale.ptr != nullptr) {  // AdaLN, after a gated residual or not
       if (a.kind == NormKind::kLayer) {
         return residual ? launch<T, T, T, NormKind::kLayer, true, true>(a, stream)

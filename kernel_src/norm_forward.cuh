@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cuda_common.cuh"
+#include "fp8_cuda.cuh"
 #include "norm.h"
 
 #include <algorithm>
@@ -83,6 +84,14 @@ struct NormParams {
   float eps, inv_cols, weight_offset;
   bool cast_before_weight;
 };
+// The FP8 output mode (O = Fp8E4m3): out holds e4m3 bytes, each row's y (the fp32 value an
+// fp32 out would hold) divided by the row's scale (fp8_math.h). A specialization, so that the
+// other outputs' parameters (and kernels) stay as they are.
+template <typename T, typename W>
+struct NormParams<T, W, Fp8E4m3> : NormParams<T, W, uint8_t> {
+  float* scales;              // [rows], or nullptr (static)
+  const float* static_scale;  // one element, or nullptr (dynamic)
+};
 
 // CACHED vectors a thread stay in registers; with one or two (the launches of
 // kOneVecThreads and kTwoVecThreads above), the row has at most CACHED * threads_per_row
@@ -97,9 +106,28 @@ constexpr int bound_threads(int cached, bool residual, bool modulate) {
 __host__ __device__ constexpr bool writes_weight(bool normed, bool modulate) { return !modulate && normed; }
 // LayerNorm's residual rows also make their first element (the mean's offset) ahead of
 // the sum: in 32 registers they spill, so they take the weighted rows' bound.
-constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual) {
+// FP8 outputs (FP8) recompute y for the row's amax and convert (emulated on sm_80): at the
+// one- and two-vector bounds they spill, so they take fewer blocks per SM (the launch, and so
+// the result, is unchanged).
+constexpr int kFp8OneVecMinBlocks = 4;  // 64 registers at 256 threads
+constexpr int kFp8TwoVecMinBlocks = 2;  // 64 registers at 512 threads
+constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, bool fp8 = false) {
+  if (cached == 1 && fp8) return kFp8OneVecMinBlocks;
   if (cached == 1) return weighted || layer_residual ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
+  if (cached == 2 && fp8) return kFp8TwoVecMinBlocks;
   return cached == 2 ? kTwoVecMinBlocks : 0;
+}
+
+// y of one element as norm_kernel's write makes it, for its FP8 output (the other outputs'
+// write keeps its own text, so that their instantiations compile as they did).
+template <typename T, bool MODULATE>
+__device__ __forceinline__ float normed_value(float x, float mean, float rstd, bool cast, bool weighted,
+                                              float weight_offset, float w, float sc, float sh) {
+  float y = (x - mean) * rstd;
+  if (cast) y = to_float(from_float<T>(y));
+  if (weighted) y *= weight_offset + w;
+  if constexpr (MODULATE) y = y * (1.f + sc) + sh;
+  return y;
 }
 
 // NORMED: the norm follows the residual add; without it (the gated residual alone) the row
@@ -108,7 +136,7 @@ template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND
           bool NORMED = true>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
                                   bound_min_blocks(CACHED, writes_weight(NORMED, MODULATE),
-                                                   NORMED && KIND == NormKind::kLayer && RESIDUAL))
+                                                   NORMED && KIND == NormKind::kLayer && RESIDUAL, kFp8Out<O>))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
@@ -258,75 +286,115 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       }
       sum_sq = row_sum(acc, threads_per_row, scratch[1]);
     }
-    if (!active) return;
-    const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
-    if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
+    if constexpr (kFp8Out<O>) {
+      // The FP8 output (no statistics: launch asserts it); inactive threads take part in
+      // the amax reduction. Its write operands load again at use (L1), not from the preloads.
+      const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+      const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
+        float wf[VEC] = {}, scf[VEC] = {}, shf[VEC] = {};
+        to_floats(v, f);
+        if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
+        if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          f[j] = normed_value<T, MODULATE>(f[j], mean, rstd, p.cast_before_weight, weighted, p.weight_offset,
+                                           wf[j], scf[j], shf[j]);
+        }
+      };
+      const auto each_vec = [&](auto&& take) {
+#pragma unroll
+        for (int k = 0; k < CACHED; ++k) {
+          const int i = t + k * threads_per_row;
+          if (active && i < nvec) take(cached[k], i);
+        }
+        for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
+          take(load_vec<T, VEC>(reread, i), i);
+        }
+      };
+      __shared__ float amax_scratch[32];
+      const float fp8_scale =
+          row_fp8_scale<VEC>(y_of, each_vec, threads_per_row, amax_scratch, p.static_scale, p.scales, r, active && t == 0);
+      uint8_t* y_row = p.out + r * p.out_stride;
+      each_vec([&](const Vec<T, VEC>& v, int i) {
+        float f[VEC];
+        y_of(v, i, f);
+        store_fp8<VEC>(y_row, i, f, fp8_scale);
+      });
+    } else {
+      if (!active) return;
+      const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+      if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
 
-    O* y_row = p.out + r * p.out_stride;
-    // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
-    auto write = [&](const Vec<T, VEC>& v, int i, int k) {
-      Vec<W, VEC> w;
-      Vec<T, VEC> sc, sh;
-      bool preloaded = false;
-      if constexpr (kPreload) {
-        preloaded = k >= 0;
-        if (preloaded) {
-          if constexpr (kWeighted) w = pre_w[k];
-          if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
+      O* y_row = p.out + r * p.out_stride;
+      // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
+      auto write = [&](const Vec<T, VEC>& v, int i, int k) {
+        Vec<W, VEC> w;
+        Vec<T, VEC> sc, sh;
+        bool preloaded = false;
+        if constexpr (kPreload) {
+          preloaded = k >= 0;
+          if (preloaded) {
+            if constexpr (kWeighted) w = pre_w[k];
+            if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
+          }
         }
-      }
-      if (!preloaded) {
-        if (weighted) w = load_vec<W, VEC>(p.weight, i);
-        if constexpr (MODULATE) {
-          sc = load_vec<T, VEC>(scale, i);
-          sh = load_vec<T, VEC>(shift, i);
+        if (!preloaded) {
+          if (weighted) w = load_vec<W, VEC>(p.weight, i);
+          if constexpr (MODULATE) {
+            sc = load_vec<T, VEC>(scale, i);
+            sh = load_vec<T, VEC>(shift, i);
+          }
         }
-      }
-      float f[VEC], wf[VEC], scf[VEC], shf[VEC];
-      to_floats(v, f);
-      if (weighted) to_floats(w, wf);
-      if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
+        float f[VEC], wf[VEC], scf[VEC], shf[VEC];
+        to_floats(v, f);
+        if (weighted) to_floats(w, wf);
+        if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        f[j] = (f[j] - mean) * rstd;
-        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
-        if (weighted) f[j] *= p.weight_offset + wf[j];
-        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
-      }
-      store_vec<O, VEC>(y_row, i, from_floats<O>(f));
-    };
+        for (int j = 0; j < VEC; ++j) {
+          f[j] = (f[j] - mean) * rstd;
+          if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
+          if (weighted) f[j] *= p.weight_offset + wf[j];
+          if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
+        }
+        store_vec<O, VEC>(y_row, i, from_floats<O>(f));
+      };
 #pragma unroll
-    for (int k = 0; k < CACHED; ++k) {
-      const int i = t + k * threads_per_row;
-      if (i < nvec) write(cached[k], i, k);
-    }
-    for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
-      write(load_vec<T, VEC>(reread, i), i, -1);
+      for (int k = 0; k < CACHED; ++k) {
+        const int i = t + k * threads_per_row;
+        if (i < nvec) write(cached[k], i, k);
+      }
+      for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
+        write(load_vec<T, VEC>(reread, i), i, -1);
+      }
     }
   }
 }
 
 template <typename T, typename W, typename O>
 NormParams<T, W, O> make_params(const NormArgs& a) {
-  // Rows find their (batch, token) operands by a 32-bit division.
-  const bool per_row_operands = a.scale.ptr != nullptr || a.gate.ptr != nullptr;
-  TORCH_CHECK(!per_row_operands || a.rows <= INT32_MAX, "norm: AdaLN and the gated residual take at most 2^31 - 1 ",
-              "rows on CUDA, got ", a.rows);
-  return {static_cast<O*>(a.out),
-          static_cast<T*>(a.residual_out),
-          reinterpret_cast<float2*>(a.stats),
-          static_cast<const T*>(a.input),
-          static_cast<const T*>(a.residual),
-          static_cast<const W*>(a.weight),
-          static_cast<const T*>(a.gate.ptr),
-          static_cast<const T*>(a.scale.ptr),
-          static_cast<const T*>(a.shift.ptr),
-          a.gate.batch_stride, a.gate.token_stride, a.scale.batch_stride, a.scale.token_stride,
-          a.shift.batch_stride, a.shift.token_stride,
-          a.rows, IntDivider(per_row_operands ? a.tokens : 1),
-          a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
-          static_cast<int>(a.cols),
-          a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+  if constexpr (kFp8Out<O>) {
+    return {make_params<T, W, uint8_t>(a), a.fp8_scales, a.fp8_static_scale};
+  } else {
+    // Rows find their (batch, token) operands by a 32-bit division.
+    const bool per_row_operands = a.scale.ptr != nullptr || a.gate.ptr != nullptr;
+    TORCH_CHECK(!per_row_operands || a.rows <= INT32_MAX, "norm: AdaLN and the gated residual take at most ",
+                "2^31 - 1 rows on CUDA, got ", a.rows);
+    return {static_cast<O*>(a.out),
+            static_cast<T*>(a.residual_out),
+            reinterpret_cast<float2*>(a.stats),
+            static_cast<const T*>(a.input),
+            static_cast<const T*>(a.residual),
+            static_cast<const W*>(a.weight),
+            static_cast<const T*>(a.gate.ptr),
+            static_cast<const T*>(a.scale.ptr),
+            static_cast<const T*>(a.shift.ptr),
+            a.gate.batch_stride, a.gate.token_stride, a.scale.batch_stride, a.scale.token_stride,
+            a.shift.batch_stride, a.shift.token_stride,
+            a.rows, IntDivider(per_row_operands ? a.tokens : 1),
+            a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
+            static_cast<int>(a.cols),
+            a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+  }
 }
 
 // Whether every pointer and stride allows VEC-wide accesses.
@@ -554,6 +622,91 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
   run(rms_norm_row_kernel<T, W, O, VEC, false>);
 }
 
+// The FP8 output of the rows launch_rms_norm_rows takes (a block a row): y as the fp32 out's
+// row kernel makes it, so the same kernel's order: each thread's vectors i = threadIdx.x +
+// k * blockDim.x summed in turn, then block_sum. The two-vector rows (WIDE false, any T,
+// a weight) weigh before the reduction, (x * w) * rstd, or round x * rstd to T first (CAST);
+// the wide rows (WIDE, fp32 only: 16-bit rows have no wide fp32-out launch) take
+// (x * rstd) * w, without a weight too. Two vectors stay in registers, the wide rows' others
+// are read again (L1, L2): these rows are rare in FP8 (fp32 input wider than 8192).
+template <typename T, typename W, int VEC, bool CAST, bool WIDE>
+__global__ void __launch_bounds__(max_block(false, false))
+    rms_norm_row_fp8_kernel(const T* __restrict__ input, const W* __restrict__ weight, uint8_t* __restrict__ out,
+                            int64_t input_stride, int64_t out_stride, int nvec, float eps, float inv_cols,
+                            float weight_offset, float* __restrict__ scales, const float* __restrict__ static_scale) {
+  static_assert(!WIDE || (std::is_same_v<T, float> && !CAST), "rms_norm FP8 rows: wide rows are fp32");
+  constexpr int kHeld = 2;  // the two-vector launch's whole row
+  __shared__ float scratch[32], amax_scratch[32];
+  const T* x = input + blockIdx.x * input_stride;
+  Vec<T, VEC> held[kHeld];
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) held[k] = load_vec<T, VEC>(x, i);
+  }
+  const auto each_vec = [&](auto&& take) {
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) take(held[k], i);
+    }
+    for (int i = threadIdx.x + kHeld * blockDim.x; WIDE && i < nvec; i += blockDim.x) take(load_vec<T, VEC>(x, i), i);
+  };
+  float sum_sq = 0.f;
+  each_vec([&](const Vec<T, VEC>& v, int) {
+    float f[VEC];
+    to_floats(v, f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum_sq += f[j] * f[j];
+  });
+  const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
+  const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
+    float wf[VEC] = {};
+    to_floats(v, f);
+    if (weight != nullptr) to_floats(load_vec<W, VEC>(weight, i), wf);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if constexpr (WIDE) {
+        f[j] *= rstd;
+        if (weight != nullptr) f[j] *= weight_offset + wf[j];
+      } else if constexpr (CAST) {
+        f[j] = to_float(from_float<T>(f[j] * rstd)) * (weight_offset + wf[j]);
+      } else {
+        f[j] = f[j] * (weight_offset + wf[j]) * rstd;
+      }
+    }
+  };
+  const float scale = row_fp8_scale<VEC>(y_of, each_vec, blockDim.x, amax_scratch, static_scale, scales, blockIdx.x,
+                                         threadIdx.x == 0);
+  uint8_t* y = out + blockIdx.x * out_stride;
+  each_vec([&](const Vec<T, VEC>& v, int i) {
+    float f[VEC];
+    y_of(v, i, f);
+    store_fp8<VEC>(y, i, f, scale);
+  });
+}
+
+// The FP8 output's launch of the rows launch_rms_norm_rows would run for the fp32 out.
+template <typename T, typename W, int VEC>
+void launch_rms_norm_rows_fp8(const NormArgs& a, int cached, int block, cudaStream_t stream) {
+  TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm_fp8: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
+  const auto run = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(a.rows), block, 0, stream>>>(
+        static_cast<const T*>(a.input), static_cast<const W*>(a.weight), static_cast<uint8_t*>(a.out), a.input_stride,
+        a.out_stride, static_cast<int>(a.cols / VEC), a.eps, a.inv_cols, a.weight_offset, a.fp8_scales,
+        a.fp8_static_scale);
+    check_launch();
+  };
+  if constexpr (kWideRows<T, W, float>) {
+    if (cached == kWideCachedVecs) return run(rms_norm_row_fp8_kernel<T, W, VEC, false, true>);
+  }
+  TORCH_INTERNAL_ASSERT(cached == 2 && a.weight != nullptr, "rms_norm_fp8 rows: two vectors a thread, a weight");
+  if constexpr (sizeof(T) == 2) {
+    if (a.cast_before_weight) return run(rms_norm_row_fp8_kernel<T, W, VEC, true, false>);
+  }
+  run(rms_norm_row_fp8_kernel<T, W, VEC, false, false>);
+}
+
 // An instantiation of norm_kernel over the rows, as `cfg` lays them out in blocks.
 template <typename T, typename W, typename O>
 void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& a, const RowLaunch& cfg,
@@ -584,7 +737,11 @@ constexpr int kFp32FourVecBlock = 512;
 template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE, bool NORMED = true>
 void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
-  const bool vector = vectorizable<T, W, O, V>(a);
+  // The FP8 output takes the fp32 out's launch, so that y is that run's fp32 value bit for
+  // bit (the launch fixes each row's kernel and summation order).
+  using LO = std::conditional_t<kFp8Out<O>, float, O>;
+  TORCH_INTERNAL_ASSERT(!kFp8Out<O> || a.stats == nullptr, "norm: the FP8 output has no statistics");
+  const bool vector = vectorizable<T, W, LO, V>(a);
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   const int64_t sms = sm_count(a.device.index());
@@ -599,7 +756,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
              (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
     cached = 2;
-  } else if (KIND == NormKind::kRms && !RESIDUAL && !MODULATE && kWideRows<T, W, O> && vector &&
+  } else if (KIND == NormKind::kRms && !RESIDUAL && !MODULATE && kWideRows<T, W, LO> && vector &&
              a.stats == nullptr && nvec > kCachedVecs * (many_rows ? kTwoVecThreads : max_block(false, false)) &&
              nvec <= (kWideCachedVecs + kWideStagedVecs) * max_block(false, false) &&
              (wide_staged_bytes(nvec) == 0 ||
@@ -616,7 +773,8 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {
     const bool row_kernel = (cached == 2 && a.weight != nullptr) || cached == kWideCachedVecs;
     if (row_kernel && cfg.threads_per_row == cfg.block && a.stats == nullptr) {
-      return launch_rms_norm_rows<T, W, O, V>(a, cached, cfg.block, stream);
+      if constexpr (kFp8Out<O>) return launch_rms_norm_rows_fp8<T, W, V>(a, cached, cfg.block, stream);
+      else return launch_rms_norm_rows<T, W, O, V>(a, cached, cfg.block, stream);
     }
   }
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");

@@ -68,6 +68,8 @@ def cpu_shims():
 def full(t):
     from torch.distributed.tensor import DTensor
 
+    if isinstance(t, DTensor) and t.dtype == torch.float8_e4m3fn:
+        t = t.float()  # gathered as fp32 values (gloo has no float8 collectives)
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -144,6 +146,11 @@ def op_cases(lki):
              [row, row, row, row, R, None, None, None], [0, 1], None),
             ("rms_norm_backward", dim, [go, x, w, *rms, extra], [row, row, R, None, None, None, row], None,
              [row, Partial()]),
+            ("quantize_fp8", dim, [x], [row], None, [row, row]),
+            ("quantize_fp8_static", dim, [x, torch.tensor([0.05])], [row, R], None, [row]),
+            ("rms_norm_fp8", dim, [x, w, *rms], [row, R, None, None, None], None, [row, row]),
+            ("rms_norm_fp8_static", dim, [x, None, 1e-6, 0.0, False, torch.tensor([0.05])],
+             [row, None, None, None, None, R], None, [row]),
             ("adaln", dim, [x, scale, shift, 1e-6, "rms"], [row, *mod[:2], None, None], None, [row]),
             ("adaln_out", dim, [torch.empty_like(x), x, scale, shift, 1e-6, "layer"],
              [row, row, *mod[:2], None, None], [0], None),

@@ -75,6 +75,9 @@ class Api:
     bad_primary_ranks: tuple = ()
     # CUDA keeps a whole row in registers (qk_norm_rope): C up to 16384, or 4096 unaligned
     cuda_row_limit: bool = False
+    takes_float64: bool = True  # the CPU ops take an all-float64 call (FP8 has no float64 form)
+    rtol: float = 0.0  # at least these tolerances, whatever the input dtype
+    atol: float = 0.0
 
     @property
     def primary(self) -> Arg:
@@ -395,7 +398,36 @@ LAYER_APIS = [
         lambda t: [(gelu_ref(t["x"], "tanh"), t["x"].dtype)]),
 ]
 
-APIS = NORM_APIS + ROPE_APIS + ACTIVATION_APIS + LAYER_APIS
+
+
+def dequantized(q_and_scales):
+    """An FP8 call's (q, scales) as the values they stand for, q * scale in fp32."""
+    q, scales = q_and_scales
+    return (q.float() * scales,)
+
+
+def fp8_ref(y):
+    """The fp64 result an FP8 row approximates; a row with a NaN or an infinity has a NaN
+    (or infinite) amax, so a NaN scale or NaN quotients: every dequantized element NaN."""
+    return [(y.masked_fill(~y.isfinite().all(-1, keepdim=True), float("nan")), torch.float32)]
+
+
+# The FP8 producers, their results dequantized: within half an e4m3 step (3 mantissa bits)
+# of the fp64 value; subnormal quotients err by up to amax / 448 * 2^-10 (amax < 45 here).
+FP8_KW = dict(takes_float64=False, rtol=2.0 ** -4 + 1e-3, atol=1e-4)
+FP8_APIS = [
+    Api("quantize_fp8", (ROWS_IN,), make_rows("x"), lambda k, t: dequantized(k.quantize_fp8(t["x"])),
+        lambda t: fp8_ref(t["x"].double()), **FP8_KW),
+    Api("rms_norm_fp8", (ROWS_IN, WEIGHT), with_weight(make_rows("x", scale=3.0)),
+        lambda k, t: dequantized(k.rms_norm_fp8(t["x"], t["weight"], EPS)),
+        lambda t: fp8_ref(rms_norm_ref(t["x"], t["weight"], EPS)), **FP8_KW),
+    Api("adaln_fp8", (ROWS_IN, Arg("scale", "scale", **MOD), Arg("shift", "shift", **MOD)),
+        make_mod(("scale", "shift")),
+        lambda k, t: dequantized(k.adaln_fp8(t["x"], t["scale"], t["shift"], EPS, norm="rms")),
+        lambda t: fp8_ref(adaln_ref(t["x"], t["scale"], t["shift"], "rms")), bad_primary_ranks=(1, 4), **FP8_KW),
+]
+
+APIS = NORM_APIS + ROPE_APIS + ACTIVATION_APIS + LAYER_APIS + FP8_APIS
 
 
 # ---------------------------------------------------------------------------- perturbations
@@ -597,7 +629,7 @@ def float64_case(api: Api, arg: Arg, dtype: torch.dtype, refuse: Refuse):
     def perturb(t, target):
         t[arg.key] = t[arg.key].double()
         if target.device == "cpu" and arg is api.primary and not api.name.startswith("layers."):
-            if len(t) == 1:
+            if len(t) == 1 and api.takes_float64:
                 return REFERENCE
             return Refuse(tuple(a.says for a in api.args if a.key in t))
         return REFERENCE if arg.accepts(torch.float64, dtype) else refuse
@@ -757,7 +789,9 @@ BACKWARD_OPS = {"rms_norm": ("rms_norm_backward",), "fused_add_rms_norm": ("rms_
                 "adaln": ("adaln_backward",), "gated_residual": ("gated_residual_backward",),
                 "gated_residual_adaln": ("gated_residual_adaln_backward",), "rope": ("rope_backward",),
                 "qk_norm_rope": ("rope_backward", "rms_norm_backward"), "gelu": ("gelu_backward",),
-                "gelu_mul": ("gelu_mul_backward",), "geglu": ("geglu_backward",)}
+                "gelu_mul": ("gelu_mul_backward",), "geglu": ("geglu_backward",),
+                # no derivative: the call itself refuses an input that requires grad
+                "quantize_fp8": ("quantize_fp8",), "rms_norm_fp8": ("rms_norm_fp8",), "adaln_fp8": ("adaln_fp8",)}
 
 
 def double_backward(call):
@@ -930,8 +964,8 @@ def _report_case_count(request):
 
 def check_outputs(api: Api, outputs, expected, dtype):
     assert len(outputs) == len(expected)
-    rtol = TOLERANCE[dtype]["rtol"] * api.roundings
-    atol = max(1e-5, api.atol_ulps * TOLERANCE[dtype]["rtol"])
+    rtol = max(TOLERANCE[dtype]["rtol"] * api.roundings, api.rtol)
+    atol = max(1e-5, api.atol_ulps * TOLERANCE[dtype]["rtol"], api.atol)
     for actual, (want, want_dtype) in zip(outputs, expected):
         assert actual.dtype == want_dtype, f"dtype {actual.dtype}, expected {want_dtype}"
         assert actual.shape == want.shape, f"shape {tuple(actual.shape)}, expected {tuple(want.shape)}"
@@ -1054,6 +1088,12 @@ def op_samples(kernel, device):
         "gelu_backward": [g, x, "none"],
         "gelu_mul_backward": [g, x, res, "tanh"],
         "geglu_backward": [g, wide, "tanh"],
+        "quantize_fp8": [x],
+        "quantize_fp8_static": [x, torch.tensor([0.05], device=device)],
+        "rms_norm_fp8": [x, w, EPS, 0.0, True],
+        "rms_norm_fp8_static": [x, w.float(), EPS, 1.0, False, torch.tensor([0.05], device=device)],
+        "adaln_fp8": [x, scale, shift, EPS, "layer"],
+        "adaln_fp8_static": [x, scale, shift, EPS, "rms", torch.tensor([0.05], device=device)],
     }
 
 
@@ -1071,14 +1111,22 @@ def results(op, args):
     return returned + [args[i] for i, _, written in tensor_args(op) if written]
 
 
+# The ops without a float64 form (FP8 has no float64 meaning): their reference is the call
+# in float32 on the CPU, whose math they share.
+FP32_REFERENCE_OPS = {"quantize_fp8", "quantize_fp8_static", "rms_norm_fp8", "rms_norm_fp8_static", "adaln_fp8",
+                      "adaln_fp8_static"}
+
+
 def in_float64(op, args):
     """The call with every tensor in float64 on the CPU, the one device that takes float64
-    (row statistics stay fp32, as the ops take them; an output dtype follows the input)."""
+    (row statistics stay fp32, as the ops take them; an output dtype follows the input), or
+    in float32 for the FP32_REFERENCE_OPS."""
     names = [a.name for a in op._schema.arguments]
+    wide = torch.float32 if op._schema.name.split("::")[-1] in FP32_REFERENCE_OPS else torch.float64
     converted = []
     for name, a in zip(names, args):
         if isinstance(a, torch.Tensor):
-            a = a.detach().cpu() if name == "stats" else a.detach().cpu().double()
+            a = a.detach().cpu() if name == "stats" else a.detach().cpu().to(wide)
         elif isinstance(a, torch.dtype):
             a = None
         converted.append(a)
@@ -1099,7 +1147,7 @@ def refuses_or_matches(op, args):
     low = any(isinstance(a, torch.Tensor) and a.dtype in (torch.float16, torch.bfloat16) for a in args)
     tol = 5e-2 if low else 1e-4
     for i, (got, want) in enumerate(zip(ours, expected)):
-        got = got.cpu()
+        got, want = got.cpu(), want.double()
         if got.shape != want.shape:
             return f"result {i} has shape {tuple(got.shape)}, float64 {tuple(want.shape)}"
         scale = want.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if want.numel() else 0.0
@@ -1261,6 +1309,11 @@ def test_every_registered_op_without_a_backward_refuses_double_backward(kernel, 
         if name in DIFFERENTIABLE_OPS or any(w for *_, w in tensor_args(op)):
             continue
         args = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in samples[name]]
+        if name in FP32_REFERENCE_OPS:  # FP8 outputs: the call itself refuses (test_fp8.py)
+            with pytest.raises(RuntimeError, match=rf"^{name}: input requires grad, but FP8 outputs are not "
+                               "differentiable"):
+                op(*args)
+            continue
         outputs = results(op, args)
         assert all(o.grad_fn is not None for o in outputs), name
         loss = sum(o.float().sum() for o in outputs)

@@ -205,7 +205,8 @@ def test_blackwell_capabilities_are_read_as_written(project):
 
     from builder import generate
 
-    edit(project, CAPS_LINE, 'cuda-capabilities = ["12.0+PTX", "7.5", "8.0", "9.0", "10.0"]', count=3)
+    sections = (project / "build.toml").read_text().count(CAPS_LINE)  # every CUDA section
+    edit(project, CAPS_LINE, 'cuda-capabilities = ["12.0+PTX", "7.5", "8.0", "9.0", "10.0"]', count=sections)
     cfg = load_config(project)
     assert cfg.capabilities() == ("7.5", "8.0", "9.0", "10.0", "12.0+PTX")
     meta = json.loads(generate.metadata_json(cfg, "cuda", "_x", {"algorithm": "sha256", "files": {}}))

@@ -46,6 +46,12 @@ def _cases(device):
         "gelu_mul_out": (e(x), x, x.clone(), "tanh"),
         "geglu": (x, "none"),
         "geglu_out": (torch.zeros(2, 6, 32, **bf16), x, "tanh"),
+        "quantize_fp8": (x,),
+        "quantize_fp8_static": (x, torch.tensor([0.1], device=device)),
+        "rms_norm_fp8": (x, w, 1e-6, 0.0, False),
+        "rms_norm_fp8_static": (x, w.float(), 1e-6, 1.0, True, torch.tensor([0.1], device=device)),
+        "adaln_fp8": (x, mod, mod.clone(), 1e-6, "layer"),
+        "adaln_fp8_static": (x, mod, mod.clone(), 1e-6, "rms", torch.tensor([0.1], device=device)),
         # Backward ops, and functional ops on inputs that require grad (opcheck then also
         # checks that their autograd formula is registered).
         "rms_norm_backward": (x, x.clone(), w, 1e-6, 0.0, False, None),

@@ -75,6 +75,12 @@ LTX_OP(gelu_mul, Tensor(const Tensor&, const Tensor&, c10::string_view))
 LTX_OP(gelu_mul_backward, Tensors2(const Tensor&, const Tensor&, const Tensor&, c10::string_view))
 LTX_OP(geglu, Tensor(const Tensor&, c10::string_view))
 LTX_OP(geglu_backward, Tensor(const Tensor&, const Tensor&, c10::string_view))
+LTX_OP(quantize_fp8, Tensors2(const Tensor&))
+LTX_OP(quantize_fp8_static, Tensor(const Tensor&, const Tensor&))
+LTX_OP(rms_norm_fp8, Tensors2(const Tensor&, const optional<Tensor>&, double, double, bool))
+LTX_OP(rms_norm_fp8_static, Tensor(const Tensor&, const optional<Tensor>&, double, double, bool, const Tensor&))
+LTX_OP(adaln_fp8, Tensors2(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view))
+LTX_OP(adaln_fp8_static, Tensor(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view, const Tensor&))
 // The ops that write into given tensors (Tensor&: the schema's Tensor!).
 LTX_OP(rms_norm_out, void(Tensor&, const Tensor&, const optional<Tensor>&, double, double, bool))
 LTX_OP(fused_add_rms_norm_out,
@@ -502,6 +508,33 @@ struct NoDerivative<Handle, Ret(Args...)> {
   static void add_tensor(variable_list&, const NonTensor&) {}
 };
 
+// The FP8 producers: their outputs carry no gradient (float8 values and scales a GEMM
+// consumes), so a call that autograd would record is refused, naming the argument that
+// requires grad, rather than returning outputs silently cut from the graph.
+template <auto Handle, class Sig = signature_t<Handle>>
+struct RefusesGrad;
+template <auto Handle, class Ret, class... Args>
+struct RefusesGrad<Handle, Ret(Args...)> {
+  static Ret autograd(Args... args) {
+    const auto& op = Handle();
+    refuse_forward_ad(op, args...);
+    if (at::GradMode::is_enabled()) {
+      size_t index = 0;
+      (refuse_grad(op, index++, args), ...);
+    }
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(args...);
+  }
+
+ private:
+  template <class T>
+  static void refuse_grad(const c10::OperatorHandle& op, size_t index, const T& arg) {
+    TORCH_CHECK(!requires_grad(arg), op_name(op), ": ", op.schema().arguments()[index].name(),
+                " requires grad, but FP8 outputs are not differentiable; pass a detached tensor or call it under "
+                "torch.no_grad()");
+  }
+};
+
 }  // namespace
 
 void register_autograd_kernels(torch::Library& ops) {
@@ -545,4 +578,13 @@ void register_autograd_kernels(torch::Library& ops) {
   LTX_NO_DERIVATIVE(gelu_mul_backward);
   LTX_NO_DERIVATIVE(geglu_backward);
 #undef LTX_NO_DERIVATIVE
+
+#define LTX_REFUSES_GRAD(name) ops.impl(#name, torch::dispatch(key, TORCH_FN(RefusesGrad<&name##_op>::autograd)))
+  LTX_REFUSES_GRAD(quantize_fp8);
+  LTX_REFUSES_GRAD(quantize_fp8_static);
+  LTX_REFUSES_GRAD(rms_norm_fp8);
+  LTX_REFUSES_GRAD(rms_norm_fp8_static);
+  LTX_REFUSES_GRAD(adaln_fp8);
+  LTX_REFUSES_GRAD(adaln_fp8_static);
+#undef LTX_REFUSES_GRAD
 }

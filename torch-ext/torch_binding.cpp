@@ -235,6 +235,29 @@ void impl_activation_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("geglu_backward", device, &geglu_backward<B>);
 }
 
+// The AdaLN FP8 producer takes the norm kind as a string view, as adaln.
+template <class B>
+std::tuple<Tensor, Tensor> adaln_fp8(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+                                     c10::string_view norm) {
+  return ltx::adaln_fp8<B>(input, scale, shift, eps, std::string(norm));
+}
+
+template <class B>
+Tensor adaln_fp8_static(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+                        c10::string_view norm, const Tensor& fp8_scale) {
+  return ltx::adaln_fp8_static<B>(input, scale, shift, eps, std::string(norm), fp8_scale);
+}
+
+template <class B>
+void impl_fp8_ops(torch::Library& ops, c10::DeviceType device) {
+  ops.impl("quantize_fp8", device, &ltx::quantize_fp8<B>);
+  ops.impl("quantize_fp8_static", device, &ltx::quantize_fp8_static<B>);
+  ops.impl("rms_norm_fp8", device, &ltx::rms_norm_fp8<B>);
+  ops.impl("rms_norm_fp8_static", device, &ltx::rms_norm_fp8_static<B>);
+  ops.impl("adaln_fp8", device, &adaln_fp8<B>);
+  ops.impl("adaln_fp8_static", device, &adaln_fp8_static<B>);
+}
+
 template <class B>
 void impl_norm_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("rms_norm", device, &rms_norm<B>);
@@ -310,16 +333,30 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved, int sequence_dim) "
           "-> (Tensor, Tensor)");
 
+  // FP8 producers (float8_e4m3fn rows for torch._scaled_mm): the quantized rows and each
+  // row's fp32 scale, [..., 1]; the static forms take one fp32 scale for the whole tensor.
+  ops.def("quantize_fp8(Tensor input) -> (Tensor, Tensor)");
+  ops.def("quantize_fp8_static(Tensor input, Tensor scale) -> Tensor");
+  ops.def("rms_norm_fp8(Tensor input, Tensor? weight, float eps, float weight_offset, bool cast_before_weight) "
+          "-> (Tensor, Tensor)");
+  ops.def("rms_norm_fp8_static(Tensor input, Tensor? weight, float eps, float weight_offset, "
+          "bool cast_before_weight, Tensor scale) -> Tensor");
+  ops.def("adaln_fp8(Tensor input, Tensor scale, Tensor shift, float eps, str norm) -> (Tensor, Tensor)");
+  ops.def("adaln_fp8_static(Tensor input, Tensor scale, Tensor shift, float eps, str norm, Tensor fp8_scale) "
+          "-> Tensor");
+
   register_autograd_kernels(ops);
 
   // CPU twins are registered in every variant: a CUDA build of torch serves CPU tensors too.
   impl_norm_ops<ltx::CpuNorm>(ops, c10::DeviceType::CPU);
   impl_activation_ops<ltx::CpuActivation>(ops, c10::DeviceType::CPU);
   impl_rope_ops<ltx::CpuRope>(ops, c10::DeviceType::CPU);
+  impl_fp8_ops<ltx::CpuFp8>(ops, c10::DeviceType::CPU);
 #if defined(CUDA_KERNEL)
   impl_norm_ops<ltx::CudaNorm>(ops, c10::DeviceType::CUDA);
   impl_activation_ops<ltx::CudaActivation>(ops, c10::DeviceType::CUDA);
   impl_rope_ops<ltx::CudaRope>(ops, c10::DeviceType::CUDA);
+  impl_fp8_ops<ltx::CudaFp8>(ops, c10::DeviceType::CUDA);
 #endif
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "activation.h"
+#include "fp8.h"
 #include "norm.h"
 #include "rope.h"
 

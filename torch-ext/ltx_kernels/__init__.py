@@ -3,6 +3,7 @@
 from . import layers, reference, sharding
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
+from .fp8 import adaln_fp8, quantize_fp8, rms_norm_fp8
 from .integration import diffusers_mapping, kernelize_diffusers, kernelize_transformers, replaced_modules, \
     transformers_mapping, unkernelize
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
@@ -12,6 +13,7 @@ sharding.register_when_available()  # DTensor rules for this build's op namespac
 
 __all__ = [
     "adaln",
+    "adaln_fp8",
     "diffusers_mapping",
     "fused_add_rms_norm",
     "gated_residual",
@@ -24,9 +26,11 @@ __all__ = [
     "layers",
     "ops",
     "qk_norm_rope",
+    "quantize_fp8",
     "reference",
     "replaced_modules",
     "rms_norm",
+    "rms_norm_fp8",
     "rope_interleaved",
     "rope_rotate_half",
     "transformers_mapping",

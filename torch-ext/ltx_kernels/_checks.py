@@ -1,6 +1,6 @@
 """The C++ entry points' argument checks, in Python, for the fake (meta) implementations:
 the same checks in the same order with the same messages as kernel_src/common.h, norm.h,
-rope.h, activation.h and torch-ext/torch_binding.cpp, so that a bad call fails at trace
+rope.h, activation.h, fp8.h and torch-ext/torch_binding.cpp, so that a bad call fails at trace
 time under torch.compile, under FakeTensorMode and on meta tensors as it fails eagerly.
 
 Sizes may be SymInts: they are compared (a comparison guards, as the real op's check
@@ -721,6 +721,36 @@ def _qk_norm_rope_cuda_launch(q_out, k_out, q, k, q_weight, k_weight, cos, sin, 
           lambda: f"{op}: C = {channels} is too wide for the kernel's registers with these alignments")
     rows = batch * seq
     check(2 * rows <= INT32_MAX, lambda: f"{op}: at most 2^30 - 1 tokens (B * S) on CUDA, got {rows}")
+
+
+# ---------------------------------------------------------------------------- FP8 producers (fp8.h)
+
+
+def fp8_capability(device: Optional[str], op: str) -> None:
+    """check_fp8_cuda_capability: FP8 needs sm_89+. Without a GPU (fake CUDA tensors) the
+    capability is unknown, and the real call decides."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return
+    major, minor = torch.cuda.get_device_capability()
+    check(major * 10 + minor >= 89, lambda: f"{op}: FP8 needs a GPU of compute capability 8.9 or newer (found "
+          f"{major}.{minor})")
+
+
+def fp8_input(device: Optional[str], x: torch.Tensor, op: str) -> None:
+    """fp8_detail::check_input: device, the GPU's capability, dtype (no float64), rank."""
+    check_device(x, device, op, "input")
+    fp8_capability(device, op)
+    check(x.dtype in FLOAT_TYPES, lambda: f"{op}: input has dtype {scalar_type_name(x.dtype)}; expected float32, "
+          "float16 or bfloat16")
+    check(x.dim() >= 1, lambda: f"{op}: input must have at least 1 dim, got a 0-dim tensor")
+    check(x.shape[-1] <= INT32_MAX, lambda: f"{op}: last dim {x.shape[-1]} is too large (at most 2^31 - 1)")
+
+
+def fp8_static_scale(scale: torch.Tensor, x: torch.Tensor, op: str, arg: str = "scale") -> None:
+    check_same_device(scale, x, op, arg, "input")
+    check(all_of(scale.dtype == torch.float32, scale.numel() == 1),
+          lambda: f"{op}: {arg} must be a float32 tensor of one element (the whole tensor's scale), got "
+          f"{scalar_type_name(scale.dtype)} of sizes {sizes(scale.shape)}")
 
 
 # ---------------------------------------------------------------------------- nested tensors

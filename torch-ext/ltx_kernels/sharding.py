@@ -329,6 +329,57 @@ def _qk_norm_rope_out(q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps):
     return _rope_strategies(q, cos, None, 0, 2, weights=2, trailing=1)
 
 
+# ---------------------------------------------------------------------------------------
+# FP8 producers: input [..., D] rows, per-row scales [..., 1] sharded with them; the weight
+# and a static scale replicated.
+
+
+def _fp8_strategies(x, weight_args: Sequence = (), trailing: int = 0, dynamic: bool = True,
+                    static_scale: bool = False) -> List[Strategy]:
+    """q (and, dynamic, the scales) like the rows; then the input, ``weight_args`` (tensor
+    or None), ``trailing`` non-tensor arguments and the static scale."""
+    _, Replicate, Shard = _placements()
+    strategies = []
+    for dim in [None, *range(x.ndim - 1)]:
+        row = Replicate() if dim is None else Shard(dim)
+        inputs = [row, *(_rep(w) for w in weight_args), *([None] * trailing)]
+        if static_scale:
+            inputs.append(Replicate())
+        strategies.append(([row, row] if dynamic else [row], inputs))
+    return strategies
+
+
+def _quantize_fp8(x):
+    return _fp8_strategies(x)
+
+
+def _quantize_fp8_static(x, scale):
+    return _fp8_strategies(x, dynamic=False, static_scale=True)
+
+
+def _rms_norm_fp8(x, weight, eps, weight_offset, cast_before_weight):
+    return _fp8_strategies(x, [weight], trailing=3)
+
+
+def _rms_norm_fp8_static(x, weight, eps, weight_offset, cast_before_weight, scale):
+    return _fp8_strategies(x, [weight], trailing=3, dynamic=False, static_scale=True)
+
+
+def _with_static_scale(strategies: List[Strategy]) -> List[Strategy]:
+    """The strategies with a replicated static scale as the last input."""
+    _, Replicate, _ = _placements()
+    return [(outputs, [*inputs, Replicate()]) for outputs, inputs in strategies]
+
+
+def _adaln_fp8(x, scale, shift, eps, norm):
+    layout = ["row", "stats", "row", "mod0", "mod1", "-", "-"]  # q, the scales like row statistics
+    return _split(_modulated_strategies(x, [scale, shift], layout), 2)
+
+
+def _adaln_fp8_static(x, scale, shift, eps, norm, fp8_scale):
+    return _with_static_scale(_adaln(x, scale, shift, eps, norm))
+
+
 # op name -> the function listing its strategies (register_sharding's contract: called with
 # the op's arguments, each tensor replaced by its DTensor spec).
 RULES: Dict[str, Callable] = {
@@ -363,6 +414,12 @@ RULES: Dict[str, Callable] = {
     "rope_backward": _rope_backward,
     "qk_norm_rope": _qk_norm_rope,
     "qk_norm_rope_out": _qk_norm_rope_out,
+    "quantize_fp8": _quantize_fp8,
+    "quantize_fp8_static": _quantize_fp8_static,
+    "rms_norm_fp8": _rms_norm_fp8,
+    "rms_norm_fp8_static": _rms_norm_fp8_static,
+    "adaln_fp8": _adaln_fp8,
+    "adaln_fp8_static": _adaln_fp8_static,
 }
 
 _registered = False
