@@ -1,0 +1,90 @@
+"""The FP8 producers (quantize_fp8, rms_norm_fp8, adaln_fp8) against the PyTorch code a user
+writes for the same (q, per-row scales), eager and under torch.compile, on a CUDA GPU of
+compute capability 8.9 or newer: kernel time by CUDA-graph replay with inputs rotated past
+L2 (harness.py), % of the copy bandwidth measured in the same run (bytes: 16-bit rows in,
+one byte an element and an fp32 scale a row out), and whether each peer's q and scales
+equal ours bit for bit.
+
+    python -m benchmarks.ops.bench_fp8 [--reps 3]
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from benchmarks import harness
+from benchmarks.tuning.variants_build import time_and_print
+
+REPO = Path(__file__).resolve().parents[2]
+FP8, E4M3_MAX = torch.float8_e4m3fn, 448.0
+# (op, shape): LTX-Video 2B's tokens (batch 2, 49 frames at 512x768) and an LLM prefill
+SHAPES = [("quantize_fp8", (2, 21504, 2048)), ("rms_norm_fp8", (2, 21504, 2048)), ("adaln_fp8", (2, 21504, 2048)),
+          ("quantize_fp8", (8192, 4096)), ("rms_norm_fp8", (8192, 4096)), ("quantize_fp8", (2, 21504, 8192))]
+
+
+def quantize(y):
+    """The per-row quantizer in PyTorch (torchao's per-row math): fp32 in, (q, scales)."""
+    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), scale
+
+
+def torch_impl(op):
+    if op == "quantize_fp8":
+        return lambda x: quantize(x.float())
+    if op == "rms_norm_fp8":
+        return lambda x, w: quantize(torch.nn.functional.rms_norm(x.float(), x.shape[-1:], w.float(), 1e-6))
+
+    def adaln(x, scale, shift):
+        n = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], None, 1e-6)
+        return quantize(n * (1 + scale.float()) + shift.float())
+    return adaln
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3, help="timings per implementation (alternating order)")
+    args = parser.parse_args()
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise SystemExit("FP8 needs a GPU of compute capability 8.9 or newer")
+    from kernels import get_local_kernel
+
+    ltx = get_local_kernel(REPO)
+    bandwidth = harness.copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
+    for op, shape in SHAPES:
+        d = shape[-1]
+
+        def inputs():
+            x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            if op == "quantize_fp8":
+                return (x,)
+            if op == "rms_norm_fp8":
+                return x, 1 + 0.1 * torch.randn(d, device="cuda", dtype=torch.bfloat16)
+            return x, 0.1 * torch.randn(shape[0], 1, d, device="cuda", dtype=torch.bfloat16), \
+                0.1 * torch.randn(shape[0], 1, d, device="cuda", dtype=torch.bfloat16)
+
+        first = inputs()
+        rows = first[0].numel() // d
+        nbytes = 3 * first[0].numel() + 4 * rows  # 2 bytes in, 1 out an element; a scale a row
+        sets = [first] + [inputs() for _ in range(harness.copies_for_cold_l2(2 * first[0].numel()) - 1)]
+        ours = getattr(ltx, op) if op != "adaln_fp8" else (lambda x, sc, sh: ltx.adaln_fp8(x, sc, sh, 1e-6, norm="rms"))
+        eager = torch_impl(op)
+        compiled = torch.compile(eager, dynamic=False, fullgraph=True)
+        impls = [("compile", lambda t, f=compiled: (lambda: f(*t))), ("eager", lambda t, f=eager: (lambda: f(*t))),
+                 ("ltx", lambda t: (lambda: ours(*t)))]
+        q, s = ours(*first)
+        notes = {}
+        for name, factory in impls[:2]:
+            pq, ps = factory(first)()
+            same = torch.equal(pq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ps, s)
+            notes[name] = "  same bits as ltx" if same else \
+                f"  differs from ltx: {(pq.view(torch.uint8) != q.view(torch.uint8)).float().mean().item():.2e} of q"
+        print(f"\n{op} {list(shape)} bf16, {nbytes / 1e6:.1f} MB")
+        time_and_print(impls, sets, nbytes, bandwidth, args.reps, {}, peer="compile", notes=notes)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8.py needs a CUDA GPU")
+    main()
