@@ -4,6 +4,7 @@ from . import layers, reference, sharding
 from ._ops import ops
 from .activations import geglu, gelu, gelu_mul
 from .fp8 import adaln_fp8, quantize_fp8, rms_norm_fp8
+from .fp8_linear import FP8Linear, convert_linears_to_fp8, restore_linears
 from .integration import diffusers_mapping, kernelize_diffusers, kernelize_transformers, replaced_modules, \
     transformers_mapping, unkernelize
 from .norms import adaln, fused_add_rms_norm, gated_residual, gated_residual_adaln, rms_norm
@@ -12,6 +13,7 @@ from .rope import qk_norm_rope, rope_interleaved, rope_rotate_half
 sharding.register_when_available()  # DTensor rules for this build's op namespace
 
 __all__ = [
+    "FP8Linear",
     "adaln",
     "adaln_fp8",
     "diffusers_mapping",
@@ -21,6 +23,7 @@ __all__ = [
     "geglu",
     "gelu",
     "gelu_mul",
+    "convert_linears_to_fp8",
     "kernelize_diffusers",
     "kernelize_transformers",
     "layers",
@@ -29,6 +32,7 @@ __all__ = [
     "quantize_fp8",
     "reference",
     "replaced_modules",
+    "restore_linears",
     "rms_norm",
     "rms_norm_fp8",
     "rope_interleaved",

@@ -55,6 +55,7 @@ from typing import Dict, Iterator, Optional, Union
 import torch
 
 from . import layers
+from .fp8_linear import apply_fp8_plan, fp8_plan, restore_linears
 from .layers import _host
 
 __all__ = ["diffusers_mapping", "kernelize_diffusers", "kernelize_transformers", "replaced_modules",
@@ -233,11 +234,17 @@ def kernelize_transformers(model: torch.nn.Module, repo: Repo = None, *, device:
 
 
 def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optional[str] = None,
-                        mode=None, **kwargs) -> Dict[str, int]:
+                        mode=None, fp8: bool = False, fp8_fast_accum: bool = False, **kwargs) -> Dict[str, int]:
     """Kernelize a diffusers pipeline's transformer / unet, or a diffusers model itself
     (after ``.to(device)``, before ``enable_model_cpu_offload()``); returns the number of
     modules each layer replaced, over all components. ``mode``: a `kernels.Mode`,
     ``Mode.INFERENCE`` by default.
+
+    ``fp8=True`` also turns the attention and feed-forward linears of the transformer
+    blocks into `FP8Linear` (FP8 GEMMs with per-token and per-channel scales, counted under
+    ``"FP8Linear"``; ``fp8_fast_accum`` as there); refused, before anything changes, for a
+    model in training mode, a GPU below compute capability 8.9, a CUDA model not in
+    bfloat16, and LoRA-wrapped linears.
 
     Each replaced module then runs its layer's forward from a subclass of its class (same
     name, `isinstance` holds; `unkernelize` puts the class back), not from the per-instance
@@ -250,6 +257,10 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
     devices = {name: _check_ready(model, device, name) for name, model in models.items()}
     mapping = diffusers_mapping(repo, **kwargs)
     counts: Dict[str, int] = {}
+    fp8_plans = {name: fp8_plan(model) for name, model in models.items()} if fp8 else {}
+    if fp8 and not any(fp8_plans.values()):
+        raise ValueError(f"fp8: {', '.join(f'{n} ({type(m).__name__})' for n, m in models.items())} has no "
+                         "attention or feed-forward linear in its transformer blocks to convert")
     for name, model in models.items():
         _wrapper_chains(model, "kernelize")  # refuse before changing any component
     with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_unmapped_hooks():
@@ -266,6 +277,9 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
         raise ValueError(f"{', '.join(f'{n} ({type(m).__name__})' for n, m in models.items())} has no module "
                          f"ltx-kernels replaces (supported: {', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)})"
                          f"{_mode_note(mode)}")
+    converted = sum(apply_fp8_plan(plan, fast_accum=fp8_fast_accum) for plan in fp8_plans.values())
+    if converted:
+        counts["FP8Linear"] = converted
     return counts
 
 
@@ -285,7 +299,8 @@ def replaced_modules(model: torch.nn.Module, layers=None) -> Dict[str, int]:
 
 def unkernelize(model: torch.nn.Module) -> None:
     """Every hooked module and hooked-function wrapper of ``model`` back to its stock
-    forward (with kernels 0.17 a function's wrapper is shared by its model file). Hooks
+    forward (with kernels 0.17 a function's wrapper is shared by its model file), and every
+    `FP8Linear` back to its ``nn.Linear``. Hooks
     other libraries wrapped around a module's forward (diffusers' context-parallel and
     cache hooks, transformers' parallel styles, accelerate's hooks) stay, now around the
     stock forward."""
@@ -296,6 +311,7 @@ def unkernelize(model: torch.nn.Module) -> None:
             if not _class_back(module) and hasattr(type(module), "_ltx_host"):
                 # a class another library derived from ours (parametrize, FSDP)
                 module.forward = MethodType(type(module)._ltx_host.forward, module)
+    restore_linears(model)
 
 
 # ---------------------------------------------------------------------------------------

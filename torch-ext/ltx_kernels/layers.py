@@ -28,6 +28,7 @@ from . import activations, norms, rope
 from ._autograd import records_grad
 from ._ops import add_op_namespace_prefix
 from .activations import geglu, gelu
+from .fp8_linear import FP8Linear
 from .norms import adaln, gated_residual, gated_residual_adaln, rms_norm
 from .rope import qk_norm_rope, rope_rotate_half
 
@@ -632,9 +633,14 @@ def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_st
     separate = (attn.to_q, attn.to_k, attn.to_v)
     self_attention = encoder_hidden_states is None
     fused_module = getattr(attn, "to_qkv" if self_attention else "to_kv", None)
+    # FP8 linears (kernelize_diffusers(fp8=True)) fuse as their 16-bit originals: rows of a
+    # weight are quantized each on its own, so the fused copy computes the same.
+    fp8 = isinstance(attn.to_q, FP8Linear)
     fused = (fused_module is not None and getattr(attn, "fused_projections", False)
-             and all(_plain_linear(p) for p in separate)
-             and not records_grad(hidden_states, encoder_hidden_states, *(p.weight for p in separate)))
+             and all(isinstance(p, FP8Linear) if fp8 else _plain_linear(p) for p in separate)
+             and isinstance(fused_module, FP8Linear) == fp8
+             and not records_grad(hidden_states, encoder_hidden_states,
+                                  *(p.weight for p in separate if not isinstance(p, FP8Linear))))
     if self_attention:
         if fused:
             sizes = [attn.to_q.out_features, attn.to_k.out_features, attn.to_v.out_features]

@@ -1,0 +1,132 @@
+"""FP8Linear (a linear layer as an FP8 GEMM: the weight quantized once per output channel,
+the input per row by quantize_fp8, torch._scaled_mm) against the fp64 GEMM of the
+dequantized operands, and kernelize_diffusers(fp8=True) on a small LTX-Video transformer:
+what it converts, its output against the stock model, unkernelize, and what it refuses."""
+
+import copy
+
+import pytest
+import torch
+
+from test_integration_diffusers import DEVICES, ltx_inputs, small_ltx
+from test_integration_transformers import lki, needs_device
+
+BF16 = torch.bfloat16
+# Relative L2 of the small LTX-Video transformer's output against stock bf16: 0.8% measured
+# on the CPU (e4m3 keeps 3 mantissa bits; per-row scales); the bound leaves room for CUDA's
+# GEMM, and a wrong scale gives errors of order 1.
+LTX_FP8_REL_L2 = 0.03
+
+
+def fp8_device(device):
+    needs_device(device)
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+
+
+def dequantized_gemm(layer, x):
+    """fp64 x_q @ w_q^T (+ bias) of the dequantized operands, and a per-element bound of
+    the GEMM's accumulation error (Hopper's FP8 adds in fewer bits than fp32)."""
+    q, s = lki.quantize_fp8(x.reshape(-1, layer.in_features))
+    a = q.double().cpu() * s.double().cpu()
+    b = layer.weight_fp8.double().cpu() * layer.weight_scale.double().cpu().t()
+    want = a @ b.t()
+    if layer.bias is not None:
+        want = want + layer.bias.double().cpu()
+    return want, 2.0**-10 * (a.abs() @ b.abs().t())
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_linear_is_the_gemm_of_its_quantized_operands(device, dtype, bias):
+    fp8_device(device)
+    if device == "cuda" and dtype != BF16:
+        pytest.skip("CUDA's row-wise scaled GEMM writes bfloat16 (test_fp8_linear_refusals)")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=bias).to(device=device, dtype=dtype)
+    layer = lki.FP8Linear(linear)
+    q, s = lki.quantize_fp8(linear.weight.detach())
+    assert torch.equal(layer.weight_fp8.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, s.reshape(1, -1))
+    x = torch.randn(2, 5, 64, device=device, dtype=dtype)
+    with torch.no_grad():
+        y, stock = layer(x), linear(x)
+    assert y.shape == (2, 5, 48) and y.dtype == dtype
+    want, bound = dequantized_gemm(layer, x)
+    rounding = want.abs() * (2.0**-8 if dtype == BF16 else 2.0**-22)  # the output's own rounding
+    err = (y.reshape(-1, 48).double().cpu() - want).abs()
+    assert bool((err <= bound + rounding).all()), f"max error {err.max().item():.2e}"
+    rel = ((y.float() - stock.float()).norm() / stock.float().norm()).item()
+    assert 0 < rel < 0.08, rel  # e4m3 operands: a few % of the 16-bit layer's output
+
+
+def test_fp8_linear_refusals():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        lki.FP8Linear(torch.nn.Linear(60, 48))
+
+    class LoraLinear(torch.nn.Linear):
+        pass
+    with pytest.raises(ValueError, match="LoRA-wrapped"):
+        lki.FP8Linear(LoraLinear(64, 48))
+    layer = lki.FP8Linear(torch.nn.Linear(64, 48))
+    with pytest.raises(RuntimeError, match="FP8Linear is for inference"):
+        layer(torch.randn(3, 64, requires_grad=True))
+    with pytest.raises(ValueError, match="input of 32 features, the layer takes 64"):
+        layer(torch.randn(3, 32))
+
+
+def test_fp8_device_refusal(monkeypatch):
+    """A CUDA device below compute capability 8.9 is refused by name (on any machine)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert lki.fp8_linear.fp8_device_refusal(torch.device("cuda", 0)) == \
+        "FP8 needs a GPU of compute capability 8.9 or newer (found 8.6)"
+    assert lki.fp8_linear.fp8_device_refusal(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-qkv", "fused-qkv"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernelize_diffusers_fp8_ltx(device, fused):
+    fp8_device(device)
+    model = small_ltx(device, BF16)
+    if fused:
+        model.fuse_qkv_projections()
+    stock = copy.deepcopy(model)
+    inputs = ltx_inputs(device, BF16)
+    counts = lki.kernelize_diffusers(model, fp8=True)
+    # 2 blocks: attn1 and attn2 (q, k, v, out) and the feed-forward (2), and the fused to_qkv / to_kv
+    assert counts["FP8Linear"] == 2 * (4 + 4 + 2) + (4 if fused else 0)
+    assert counts["LTXVideoTransformerBlock"] == 2
+    assert isinstance(model.transformer_blocks[0].attn1.to_q, lki.FP8Linear)
+    assert isinstance(model.proj_out, torch.nn.Linear)  # outside the blocks: 16-bit
+    with torch.no_grad():
+        want = stock(**inputs, return_dict=False)[0].float()
+        got = model(**inputs, return_dict=False)[0].float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < LTX_FP8_REL_L2, rel
+    lki.unkernelize(model)
+    assert not any(isinstance(m, lki.FP8Linear) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(**inputs, return_dict=False)[0].float(), want)
+
+
+def test_kernelize_diffusers_fp8_refusals():
+    model = small_ltx("cpu", BF16).train()
+    with pytest.raises(RuntimeError, match="training mode"):
+        lki.kernelize_diffusers(model, fp8=True)
+    assert lki.replaced_modules(model) == {}  # refused before anything changed
+
+    class LoraWrapper(torch.nn.Module):  # as peft's LoRA layers: the linear inside
+        def __init__(self, base_layer):
+            super().__init__()
+            self.base_layer = base_layer
+
+        def forward(self, x):
+            return self.base_layer(x)
+    model = small_ltx("cpu", BF16)
+    attn = model.transformer_blocks[1].attn2
+    attn.to_v = LoraWrapper(attn.to_v)
+    with pytest.raises(ValueError, match=r"attn2\.to_v: LoraWrapper is LoRA-wrapped: merge the adapters first"):
+        lki.kernelize_diffusers(model, fp8=True)
+    assert lki.replaced_modules(model) == {}
+    assert not any(isinstance(m, lki.FP8Linear) for m in model.modules())

@@ -1,0 +1,160 @@
+"""Linear layers as FP8 GEMMs, for inference: `FP8Linear` (one ``nn.Linear``) and
+`convert_linears_to_fp8` / `restore_linears` (a model's transformer blocks).
+
+The weight is quantized once, per output channel (its rows, by `quantize_fp8`); each call
+quantizes its input per row (per token) with `quantize_fp8`, one pass over the activations,
+and runs ``torch._scaled_mm`` with both row-wise scales and the bias, in the input's dtype.
+Accumulation is fp32 with ``fast_accum=False`` (Hopper's FP8 tensor cores still add in
+fewer bits between its fp32 promotions); ``fast_accum=True`` skips those promotions for
+speed. On CUDA it needs a GPU of compute capability 8.9 or newer and bfloat16 inputs (the
+row-wise scaled GEMM's output type); on the CPU any 16- or 32-bit float input (a reference
+path: PyTorch's CPU GEMM, not a fast one).
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .fp8 import quantize_fp8
+
+__all__ = ["FP8Linear", "convert_linears_to_fp8", "restore_linears"]
+
+# _scaled_mm takes both GEMM dims in multiples of 16.
+_GEMM_MULTIPLE = 16
+# Module names, within a transformer block, whose linears become FP8: attention and
+# feed-forward (diffusers' LTX-Video, FLUX, SD3, DiT blocks); FLUX's single blocks name
+# their MLP projections directly. AdaLN's small modulation GEMMs stay 16-bit.
+_FP8_PARENTS = ("attn", "attn1", "attn2", "ff", "ff_context")
+_FP8_NAMES = ("proj_mlp", "proj_out")
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+
+
+class FP8Linear(torch.nn.Module):
+    """``linear`` as an FP8 GEMM (see the module's doc). ``linear`` itself is kept (not as a
+    submodule: no state-dict entries) so that `restore_linears` can put it back."""
+
+    def __init__(self, linear: torch.nn.Linear, *, fast_accum: bool = False):
+        super().__init__()
+        reason = fp8_refusal(linear)
+        if reason:
+            raise ValueError(f"FP8Linear: {reason}")
+        weight = linear.weight.detach()
+        q, scales = quantize_fp8(weight)
+        self.register_buffer("weight_fp8", q)
+        self.register_buffer("weight_scale", scales.reshape(1, -1))  # [1, out]: scale_b
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fast_accum = fast_accum
+        self._original: Tuple[torch.nn.Linear] = (linear,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            raise RuntimeError("FP8Linear is for inference: its input requires grad (FP8 GEMMs have no "
+                               "backward here; run under torch.no_grad() or torch.inference_mode())")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear: input of {x.shape[-1]} features, the layer takes {self.in_features}")
+        if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+            raise TypeError(f"FP8Linear on CUDA takes bfloat16 input (the row-wise scaled GEMM's output), got {x.dtype}")
+        rows = x.reshape(-1, self.in_features)
+        q, scales = quantize_fp8(rows)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=scales, scale_b=self.weight_scale, bias=bias,
+                             out_dtype=x.dtype, use_fast_accum=self.fast_accum)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, fast_accum={self.fast_accum}")
+
+
+def _lora_wrapped(module: torch.nn.Module) -> bool:
+    """peft's LoRA layers (a base_layer inside), diffusers' LoRA-compatible linears with an
+    adapter attached."""
+    return getattr(module, "base_layer", None) is not None or getattr(module, "lora_layer", None) is not None \
+        or "lora" in type(module).__name__.lower()
+
+
+def fp8_refusal(module: torch.nn.Module) -> Optional[str]:
+    """Why ``module`` cannot become an `FP8Linear`, or None."""
+    if _lora_wrapped(module):
+        return (f"{type(module).__name__} is LoRA-wrapped: merge the adapters first (peft's merge_and_unload, "
+                "diffusers' fuse_lora + unload_lora_weights), then convert")
+    if type(module) is not torch.nn.Linear:
+        return f"{type(module).__name__} is not a plain torch.nn.Linear"
+    if module.in_features % _GEMM_MULTIPLE or module.out_features % _GEMM_MULTIPLE:
+        return (f"[{module.out_features}, {module.in_features}] weight: the FP8 GEMM takes sizes in "
+                f"multiples of {_GEMM_MULTIPLE}")
+    return None
+
+
+def fp8_device_refusal(device: torch.device) -> Optional[str]:
+    """Why FP8 GEMMs cannot run on ``device``, or None."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"FP8 needs a GPU of compute capability 8.9 or newer (found {major}.{minor})"
+    elif device.type != "cpu":
+        return f"FP8 linears run on CUDA or the CPU, not {device.type}"
+    return None
+
+
+Plan = List[Tuple[torch.nn.Module, str, torch.nn.Linear]]
+
+
+def fp8_plan(model: torch.nn.Module) -> Plan:
+    """(parent, attribute, linear) of each attention / feed-forward linear of ``model``'s
+    transformer blocks that can become an `FP8Linear` (others, of sizes the GEMM cannot take,
+    stay 16-bit), after refusing a model in training mode, LoRA-wrapped linears, a device
+    without FP8 and, on CUDA, a model not in bfloat16. Changes nothing."""
+    if model.training:
+        raise RuntimeError("fp8: the model is in training mode; FP8 linears are for inference (call model.eval())")
+    plan: Plan = []
+    for list_name in _BLOCK_LISTS:
+        for block in getattr(model, list_name, None) or ():
+            for path, module in block.named_modules():
+                parts = path.split(".")
+                in_scope = any(p in _FP8_PARENTS for p in parts[:-1]) or (len(parts) == 1 and parts[0] in _FP8_NAMES)
+                if not in_scope:
+                    continue
+                if _lora_wrapped(module):
+                    raise ValueError(f"fp8: {block.__class__.__name__}.{path}: {fp8_refusal(module)}")
+                if fp8_refusal(module) is None:
+                    parent = block.get_submodule(".".join(parts[:-1])) if len(parts) > 1 else block
+                    plan.append((parent, parts[-1], module))
+    for device in {linear.weight.device for _, _, linear in plan}:
+        reason = fp8_device_refusal(device)
+        if reason:
+            raise RuntimeError(f"fp8: {reason}")
+    if any(linear.weight.device.type == "cuda" and linear.weight.dtype != torch.bfloat16 for _, _, linear in plan):
+        raise TypeError("fp8: on CUDA the model must be bfloat16 (the row-wise scaled GEMM's output type)")
+    return plan
+
+
+def apply_fp8_plan(plan: Plan, *, fast_accum: bool = False) -> int:
+    for parent, name, linear in plan:
+        setattr(parent, name, FP8Linear(linear, fast_accum=fast_accum))
+    return len(plan)
+
+
+def convert_linears_to_fp8(model: torch.nn.Module, *, fast_accum: bool = False) -> int:
+    """The attention and feed-forward linears of ``model``'s transformer blocks as
+    `FP8Linear` (see `fp8_plan` for what is refused); returns how many."""
+    plan = fp8_plan(model)
+    if not plan:
+        raise ValueError(f"fp8: {type(model).__name__} has no attention or feed-forward linear in "
+                         f"{' or '.join(_BLOCK_LISTS)} to convert")
+    return apply_fp8_plan(plan, fast_accum=fast_accum)
+
+
+def restore_linears(model: torch.nn.Module) -> int:
+    """Every `FP8Linear` in ``model`` back to the ``nn.Linear`` it was made from; returns how many."""
+    found = [(path, m) for path, m in model.named_modules() if isinstance(m, FP8Linear)]
+    for path, module in found:
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, name, module._original[0])
+    return len(found)
+
+
+def fp8_linear_counts(model: torch.nn.Module) -> Dict[str, int]:
+    n = sum(isinstance(m, FP8Linear) for m in model.modules())
+    return {"FP8Linear": n} if n else {}
