@@ -74,6 +74,29 @@ def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
     assert kernelized and all(r["error"] is None and r["max_abs_diff"] < 5e-2 for r in kernelized), kernelized
 
 
+def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
+    """The FP8 configurations run on the CPU (FP8Linear's reference path): converted
+    linears counted, the output's relative L2 from eager recorded and shown; torchao's where
+    it is installed, else its import error reported in its cells; Qwen3 refused by name."""
+    bench = load_benchmark()
+    out = tmp_path / "e2e.json"
+    bench.main(["--tiny", "--device", "cpu", "--compile-backend", "eager", "--configs", ",".join(("eager",) + bench.FP8_CONFIGS),
+                "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    by = {(r["workload"].split()[0], r["config"]): r for r in results}
+    for config in ("eager+kernels+fp8", "compile+kernels+fp8"):
+        r = by[("LTX-Video", config)]
+        assert r["error"] is None and r["replaced"]["FP8Linear"] == 20, r
+        assert 0 < r["rel_l2"] < 0.05, r
+        assert by[("Qwen3", config)]["error"] == \
+            "RuntimeError: ValueError: the FP8 configurations are for diffusers models (LTX-Video)"
+    for config in ("eager+torchao-fp8", "compile+torchao-fp8"):
+        r = by[("LTX-Video", config)]
+        assert (r["error"] is None and r["rel_l2"] > 0) or "torchao" in r["error"], r
+    table = capsys.readouterr().out
+    assert "eager+kernels+fp8 vs eager" in table and " L2 " in table
+
+
 def test_timeline_merges_overlapping_work_and_counts_the_gaps():
     """Busy time is the union of the intervals (work on two streams overlaps), the span
     runs from the first start to the last end, whatever the order they come in."""

@@ -10,7 +10,11 @@ Workloads (random weights, models built from their configs, bf16):
 Configurations: eager; eager + kernels (the kernel's `kernelize_*`); compile
 (`torch.compile(model, fullgraph=True)`); compile + kernels (kernelized with
 Mode.INFERENCE | Mode.TORCH_COMPILE, then compiled; a transformers model stays stock there,
-see the README; the table marks such a cell "stock"). A configuration that fails (e.g. a
+see the README; the table marks such a cell "stock"). FP8, for LTX-Video on sm_89+ (not in
+the default list): eager / compile + kernels + fp8 (`kernelize_diffusers(fp8=True)`), and
+eager / compile + torchao-fp8 (torchao's `Float8DynamicActivationFloat8WeightConfig` with
+`PerRow()` granularity on a copy of the model, the per-row FP8 a user picks today); their
+cells also show the output's relative L2 from eager. A configuration that fails (e.g. a
 graph break under fullgraph) is reported with its error rather than stopping the run.
 
 Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
@@ -24,10 +28,13 @@ often the software power cap held while each configuration was timed (nvidia-smi
 
     python -m benchmarks.e2e.e2e_models --json benchmarks/results/e2e_ltx.json   # on a GPU
     python -m benchmarks.e2e.e2e_models --tiny                                  # small models, seconds on CPU
+    python -m benchmarks.e2e.e2e_models --models ltx --ltx-videos "49 frames" --fuse-qkv \
+        --configs eager,eager+kernels,compile+kernels,eager+kernels+fp8,compile+kernels+fp8,compile+torchao-fp8
 """
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import json
 import platform
@@ -50,6 +57,7 @@ kernelize_diffusers, kernelize_transformers, unkernelize = (
     _kernel.kernelize_diffusers, _kernel.kernelize_transformers, _kernel.unkernelize)
 
 CONFIGS = ("eager", "eager+kernels", "compile", "compile+kernels")
+FP8_CONFIGS = ("eager+kernels+fp8", "compile+kernels+fp8", "eager+torchao-fp8", "compile+torchao-fp8")
 DTYPE = torch.bfloat16
 LTX_TEXT_TOKENS = 128
 # latent (frames, height, width) per video length at 512x768 (VAE: 8x temporal, 32x spatial)
@@ -83,6 +91,7 @@ class Result:
     ms: Optional[float] = None
     host_ms: Optional[float] = None  # until the call returns (see median_ms)
     max_abs_diff: Optional[float] = None  # vs the first configuration run (eager by default)
+    rel_l2: Optional[float] = None  # ||output - that run's|| / ||that run's||
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
     clocks: Optional[dict] = None  # --clocks: see clock_summary
@@ -216,11 +225,22 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
         torch._dynamo.reset()  # each configuration compiles its own graphs
         # Compiled configurations kernelize as kernels asks for torch.compile (Mode.TORCH_COMPILE).
         mode = Mode.INFERENCE | Mode.TORCH_COMPILE if config.startswith("compile") else Mode.INFERENCE
-        replaced = kernelize(model, mode=mode) if config.endswith("+kernels") else {}
-        runner = torch.compile(model, dynamic=False, **compile_options) if config.startswith("compile") else model
+        setup_error, target, replaced = None, model, {}
+        try:
+            if config in FP8_CONFIGS and kernelize is not kernelize_diffusers:
+                raise ValueError("the FP8 configurations are for diffusers models (LTX-Video)")
+            if "+kernels" in config:
+                replaced = kernelize(model, mode=mode, **({"fp8": True} if config.endswith("+fp8") else {}))
+            if "torchao-fp8" in config:
+                target = torchao_fp8(model)
+        except Exception as error:  # noqa: BLE001  (reported per workload below)
+            setup_error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        runner = torch.compile(target, dynamic=False, **compile_options) if config.startswith("compile") else target
         for workload in workloads:
             result = Result(workload.name, config, replaced=replaced)
             try:
+                if setup_error:
+                    raise RuntimeError(setup_error)
                 with torch.no_grad():
                     output = workload.run(runner).float()
                     with ClockSampler() if clocks else contextlib.nullcontext() as sampler:
@@ -233,12 +253,24 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                 result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 print(f"  {workload.name} / {config}: {result.error}", flush=True)
             else:
-                eager_outputs.setdefault(workload.name, output)
-                result.max_abs_diff = (output - eager_outputs[workload.name]).abs().max().item()
+                first = eager_outputs.setdefault(workload.name, output)
+                result.max_abs_diff = (output - first).abs().max().item()
+                result.rel_l2 = ((output - first).norm() / first.norm()).item()
                 print(f"  {workload.name} / {config}: {result.ms:.2f} ms (host {result.host_ms:.2f} ms)", flush=True)
             results.append(result)
+        del runner, target
     unkernelize(model)
     return results, profiles, timelines
+
+
+def torchao_fp8(model):
+    """A copy of ``model`` quantized by torchao's per-row dynamic FP8 (activations and
+    weights), as its README shows for diffusers."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    copied = copy.deepcopy(model)
+    quantize_(copied, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return copied
 
 
 # Chrome-trace categories of work on the GPU timeline.
@@ -299,7 +331,7 @@ def timeline(intervals) -> dict:
 def left_stock(r: Result) -> bool:
     """A kernelized configuration whose model kernelize left stock (transformers under
     compile): a second measurement of the configuration without kernels."""
-    return r.config.endswith("+kernels") and not r.replaced
+    return "+kernels" in r.config and not r.replaced
 
 
 def markdown(results: List[Result], configs) -> str:
@@ -307,7 +339,9 @@ def markdown(results: List[Result], configs) -> str:
     for r in results:
         by_workload.setdefault(r.workload, {})[r.config] = r
     header = ["workload", *[f"{c} ms (host ms)" for c in configs]]
-    speedups = [(a, b) for a, b in (("eager+kernels", "eager"), ("compile+kernels", "compile"), ("compile", "eager"))
+    speedups = [(a, b) for a, b in (("eager+kernels", "eager"), ("compile+kernels", "compile"), ("compile", "eager"),
+                                    ("eager+kernels+fp8", "eager"), ("compile+kernels+fp8", "compile"),
+                                    ("compile+torchao-fp8", "compile"))
                 if a in configs and b in configs]
     header += [f"{a} vs {b}" for a, b in speedups] + ["max abs diff (kernels)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -315,7 +349,8 @@ def markdown(results: List[Result], configs) -> str:
     def cell(r: Optional[Result]) -> str:
         if r is None or r.ms is None:
             return "failed"
-        return f"{r.ms:.2f} ({r.host_ms:.1f})" + (" stock" if left_stock(r) else "")
+        l2 = f" L2 {100 * r.rel_l2:.2f}%" if r.config in FP8_CONFIGS and r.rel_l2 is not None else ""
+        return f"{r.ms:.2f} ({r.host_ms:.1f})" + (" stock" if left_stock(r) else "") + l2
 
     for workload, row in by_workload.items():
         cells = [workload]
@@ -399,7 +434,8 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="small models and shapes (seconds on a CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="ltx,qwen3", help="comma-separated: ltx, qwen3")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, of {', '.join(CONFIGS + FP8_CONFIGS)}")
     parser.add_argument("--ltx-videos", default=",".join(LTX_LATENTS),
                         help=f"comma-separated LTX video lengths, of {', '.join(LTX_LATENTS)}")
     parser.add_argument("--fuse-qkv", action="store_true",
@@ -416,7 +452,7 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, help="write the results here (and the plot beside it, .png)")
     args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
-    unknown = set(configs) - set(CONFIGS)
+    unknown = set(configs) - set(CONFIGS + FP8_CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
     videos = [v for v in args.ltx_videos.split(",") if v]

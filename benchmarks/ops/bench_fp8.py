@@ -3,9 +3,12 @@ writes for the same (q, per-row scales), eager and under torch.compile, on a CUD
 compute capability 8.9 or newer: kernel time by CUDA-graph replay with inputs rotated past
 L2 (harness.py), % of the copy bandwidth measured in the same run (bytes: 16-bit rows in,
 one byte an element and an fp32 scale a row out), and whether each peer's q and scales
-equal ours bit for bit.
+equal ours bit for bit. Then the projection GEMMs of LTX-Video 2B (2 x 2688 tokens at 49
+frames, 2 x 8064 at 161): bf16 ``F.linear`` against ``torch._scaled_mm`` on FP8 operands with
+row-wise scales, standard and fast accumulation, and `FP8Linear` (its input's quantize
+included), each output's relative L2 from the bf16 GEMM beside it.
 
-    python -m benchmarks.ops.bench_fp8 [--reps 3]
+    python -m benchmarks.ops.bench_fp8 [--reps 3] [--skip-gemms]
 """
 
 import argparse
@@ -21,6 +24,9 @@ FP8, E4M3_MAX = torch.float8_e4m3fn, 448.0
 # (op, shape): LTX-Video 2B's tokens (batch 2, 49 frames at 512x768) and an LLM prefill
 SHAPES = [("quantize_fp8", (2, 21504, 2048)), ("rms_norm_fp8", (2, 21504, 2048)), ("adaln_fp8", (2, 21504, 2048)),
           ("quantize_fp8", (8192, 4096)), ("rms_norm_fp8", (8192, 4096)), ("quantize_fp8", (2, 21504, 8192))]
+# (M tokens, N out, K in): LTX-Video 2B's attention projections (q, k, v, out; fused qkv) and
+# feed-forward (up, down), at 49 and 161 frames with CFG
+GEMMS = [(m, n, k) for m in (5376, 16128) for n, k in ((2048, 2048), (6144, 2048), (8192, 2048), (2048, 8192))]
 
 
 def quantize(y):
@@ -44,6 +50,7 @@ def torch_impl(op):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3, help="timings per implementation (alternating order)")
+    parser.add_argument("--skip-gemms", action="store_true", help="only the producers")
     args = parser.parse_args()
     if torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("FP8 needs a GPU of compute capability 8.9 or newer")
@@ -82,6 +89,37 @@ def main():
                 f"  differs from ltx: {(pq.view(torch.uint8) != q.view(torch.uint8)).float().mean().item():.2e} of q"
         print(f"\n{op} {list(shape)} bf16, {nbytes / 1e6:.1f} MB")
         time_and_print(impls, sets, nbytes, bandwidth, args.reps, {}, peer="compile", notes=notes)
+    if not args.skip_gemms:
+        gemms(ltx, args.reps)
+
+
+def gemms(ltx, reps):
+    """bf16 against FP8 at the GEMMS shapes; the % column is of the copy bandwidth, not
+    meaningful for these compute-bound calls: read the microseconds and the ratio."""
+    for m, n, k in GEMMS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        linear = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        layer = ltx.FP8Linear(linear)
+        qx, sx = ltx.quantize_fp8(x)
+
+        def scaled(fast):
+            return lambda t: (lambda: torch._scaled_mm(qx, layer.weight_fp8.t(), scale_a=sx, scale_b=layer.weight_scale,
+                                                       bias=layer.bias, out_dtype=torch.bfloat16, use_fast_accum=fast))
+        impls = [("bf16", lambda t: (lambda: torch.nn.functional.linear(x, linear.weight, linear.bias))),
+                 ("fp8", scaled(False)), ("fp8 fast", scaled(True)),
+                 ("FP8Linear", lambda t: (lambda: layer(x)))]
+        with torch.no_grad():
+            want = linear(x).float()
+            notes, skipped = {}, {}
+            for name, factory in impls[1:]:
+                try:
+                    got = factory(None)().float()
+                except RuntimeError as error:  # a GEMM this torch / GPU does not take
+                    skipped[name] = str(error).splitlines()[0][:160]
+                    continue
+                notes[name] = f"  L2 {((got - want).norm() / want.norm()).item():.2%} from bf16"
+            print(f"\nGEMM {m}x{n}x{k} (M x N x K)")
+            time_and_print(impls, [None], 2 * (m * k + n * k + m * n), 1e9, reps, skipped, peer="bf16", notes=notes)
 
 
 if __name__ == "__main__":
