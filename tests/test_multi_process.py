@@ -165,14 +165,15 @@ def test_rules_registered_when_dtensor_is_imported_later():
 
 
 def test_multi_gpu_benchmark_runs_on_cpu_ranks(tmp_path):
-    """benchmarks/e2e/multi_gpu.py --tiny on 2 gloo ranks: the rows of the GPU run (one GPU,
-    Ulysses, ring; stock and kernelized), every output within rounding of the one-rank run
-    of the same code and the kernelized rows counting replaced modules."""
+    """benchmarks/e2e/multi_gpu.py --tiny on 2 gloo ranks: the rows of the GPU run (LTX-Video on
+    one GPU, Ulysses, ring; Qwen3 prefill and decode on one GPU and under tp_plan="auto";
+    stock and kernelized), every output within rounding of the one-rank run of the same code
+    and the kernelized rows counting replaced modules."""
     out = tmp_path / "multi_gpu.json"
     env = dict(os.environ, WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "benchmarks.e2e.multi_gpu", "--tiny", "--device", "cpu", "--warmup", "0",
-               "--repeats", "1", "--json", str(out)]
+               "--repeats", "1", "--checkpoint-dir", str(tmp_path), "--json", str(out)]
     with _build_folder_held(exclusive=False):
         procs = [subprocess.Popen(command, cwd=REPO, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -180,8 +181,11 @@ def test_multi_gpu_benchmark_runs_on_cpu_ranks(tmp_path):
         logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["setup"], r["config"]) for r in rows] == [(s, c) for s in ("1 GPU", "ulysses", "ring")
-                                                          for c in ("stock", "kernelized")]
+    ltx = [(s, c) for s in ("1 GPU", "ulysses", "ring") for c in ("stock", "kernelized")]
+    qwen3 = [(w, s, c) for s in ("1 GPU", "tensor parallel") for c in ("stock", "kernelized")
+             for w in ("qwen3 prefill", "qwen3 decode")]
+    assert [(r["setup"], r["config"]) for r in rows if r["model"] == "tiny"] == ltx
+    assert [(r["model"], r["setup"], r["config"]) for r in rows if r["model"] != "tiny"] == qwen3
     for r in rows:
         assert r["error"] is None and r["ms"] > 0, r
         assert bool(r["replaced"]) == (r["config"] == "kernelized"), r

@@ -1,7 +1,7 @@
-"""LTX-Video under diffusers' context parallelism on several GPUs (one process each, NCCL):
-Ulysses and ring attention, stock and kernelized, against one GPU.
+"""LTX-Video under diffusers' context parallelism and Qwen3-8B under transformers' tensor
+parallelism on several GPUs (one process each, NCCL), stock and kernelized, against one GPU.
 
-    torchrun --nproc-per-node 2 -m benchmarks.e2e.multi_gpu --json benchmarks/results/multi_gpu_ltx.json
+    torchrun --nproc-per-node 2 -m benchmarks.e2e.multi_gpu --json benchmarks/results/multi_gpu.json
     torchrun --nproc-per-node 2 -m benchmarks.e2e.multi_gpu --models 13b --repeats 5
 
 Workloads: the LTX-Video transformer, 2B (its default config) and 13B (48 layers, 32 heads
@@ -12,6 +12,11 @@ broadcast. Each rank first runs the whole model alone (stock, then kernelized): 
 one-GPU baseline, timed on every GPU at once. Then, for each attention, a copy under
 ``enable_parallelism(ContextParallelConfig(<attention>_degree=world))``, stock and then
 kernelized (`kernelize_diffusers` after enable_parallelism).
+
+Qwen3-8B (``--models qwen3``; from its config, random weights that rank 0 saves once under
+``--checkpoint-dir``): ``from_pretrained(tp_plan="auto")``, stock and kernelized
+(`kernelize_transformers` after loading), against the whole model on each rank: a prefill
+of 8192 tokens and a decode step on a 4096-token cache, the last token's logits compared.
 
 Timing: wall time per forward on each rank (CUDA events after a barrier, median of
 ``--repeats`` after ``--warmup``), the slowest rank's reported. Each output is compared on
@@ -48,6 +53,14 @@ TINY = dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head
             num_layers=2, caption_channels=32)
 TINY_LATENT, TINY_TEXT = (2, 3, 4), 8
 ATTENTIONS = ("ulysses", "ring")
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                tie_word_embeddings=False)
+TINY_QWEN3 = dict(QWEN3_8B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+PREFILL, DECODE_CACHE = 8192, 4096
+TINY_PREFILL, TINY_DECODE_CACHE = 32, 16
 
 
 @dataclass
@@ -92,6 +105,7 @@ def timed(model, inputs, device, warmup: int, repeats: int):
     """The output and the slowest rank's median ms per forward."""
     with torch.no_grad():
         out = model(**inputs)[0]
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out  # a DTensor under tensor parallelism
         for _ in range(warmup):
             model(**inputs)
         times = []
@@ -155,13 +169,64 @@ def run_model(name, lki, tiny, device, warmup, repeats, world) -> List[Row]:
     return rows
 
 
+def run_qwen3(lki, tiny, device, warmup, repeats, checkpoint: Path) -> List[Row]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = checkpoint / ("qwen3-tiny" if tiny else "qwen3-8b")
+    if dist.get_rank() == 0 and not (path / "config.json").exists():
+        torch.manual_seed(0)
+        with torch.device(device):
+            Qwen3ForCausalLM(Qwen3Config(**(TINY_QWEN3 if tiny else QWEN3_8B))).to(DTYPE).save_pretrained(path)
+    dist.barrier()
+    vocab = (TINY_QWEN3 if tiny else QWEN3_8B)["vocab_size"]
+    generator = torch.Generator(device).manual_seed(1)
+    prefill_ids = torch.randint(0, vocab, (1, TINY_PREFILL if tiny else PREFILL), device=device, generator=generator)
+    cache_ids = torch.randint(0, vocab, (1, TINY_DECODE_CACHE if tiny else DECODE_CACHE), device=device,
+                              generator=generator)
+    token = torch.randint(0, vocab, (1, 1), device=device, generator=generator)
+    for t in (prefill_ids, cache_ids, token):
+        dist.broadcast(t, 0)
+    rows, one_gpu = [], {}
+
+    def workloads(model):
+        with torch.no_grad():
+            cache = model(cache_ids, use_cache=True, logits_to_keep=1).past_key_values
+
+        def decode(**_):
+            logits = model(token, past_key_values=cache, use_cache=True).logits
+            cache.crop(-1)
+            return (logits,)
+        return {"prefill": lambda **_: (model(prefill_ids, use_cache=False, logits_to_keep=1).logits,),
+                "decode": decode}
+
+    for setup, loading in (("1 GPU", dict(device_map=device)), ("tensor parallel", dict(tp_plan="auto"))):
+        for config in ("stock", "kernelized"):
+            model = Qwen3ForCausalLM.from_pretrained(path, dtype=DTYPE, **loading).eval()
+            replaced = lki.kernelize_transformers(model) if config == "kernelized" else {}
+            for name, call in workloads(model).items():
+                row = Row(f"qwen3 {name}", setup, config, replaced=replaced)
+                try:
+                    out, row.ms = timed(call, {}, device, warmup, repeats)
+                    if setup == "1 GPU":
+                        one_gpu[name, config] = out
+                    else:
+                        compare(row, out, one_gpu[name, config])
+                except Exception as error:  # noqa: BLE001
+                    row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                rows.append(row)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def markdown(rows: List[Row], world: int) -> str:
     lines = [f"| model | setup | stock ms | kernelized ms | kernels' gain | stock vs 1 GPU | kernelized vs 1 GPU "
              f"| kernelized max abs diff / rel L2 vs 1 GPU |", "|---|---|---|---|---|---|---|---|"]
     by = {(r.model, r.setup, r.config): r for r in rows}
     for model in dict.fromkeys(r.model for r in rows):
         one = {c: by.get((model, "1 GPU", c)) for c in ("stock", "kernelized")}
-        for setup in ("1 GPU", *ATTENTIONS):
+        for setup in ("1 GPU", *ATTENTIONS, "tensor parallel"):
             stock, ours = by.get((model, setup, "stock")), by.get((model, setup, "kernelized"))
             if stock is None:
                 continue
@@ -180,7 +245,9 @@ def markdown(rows: List[Row], world: int) -> str:
 
 def main(argv=None) -> List[Row]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="2b,13b", help="comma-separated: 2b, 13b")
+    parser.add_argument("--models", default="2b,13b,qwen3", help="comma-separated: 2b, 13b (LTX-Video), qwen3")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/ltx_multi_gpu"),
+                        help="where rank 0 saves the random Qwen3 checkpoint tp_plan loads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="a small model and shapes (the CPU smoke run)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -207,8 +274,11 @@ def main(argv=None) -> List[Row]:
     lki = get_local_kernel(REPO)
     rows: List[Row] = []
     try:
-        for name in ["tiny"] if args.tiny else [m for m in args.models.split(",") if m]:
+        models = [m for m in args.models.split(",") if m]
+        for name in ["tiny"] if args.tiny else [m for m in models if m != "qwen3"]:
             rows += run_model(name, lki, args.tiny, device, args.warmup, args.repeats, world)
+        if "qwen3" in models:
+            rows += run_qwen3(lki, args.tiny, device, args.warmup, args.repeats, args.checkpoint_dir)
     finally:
         if rank == 0:
             table = markdown(rows, world)
