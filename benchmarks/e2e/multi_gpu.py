@@ -43,6 +43,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from benchmarks.e2e.qwen3_generate import QWEN3_8B, TINY_QWEN3
+
 REPO = Path(__file__).resolve().parents[2]
 DTYPE = torch.bfloat16
 CONFIGS = {"2b": {}, "13b": dict(num_layers=48, num_attention_heads=32, attention_head_dim=128,
@@ -53,12 +55,6 @@ TINY = dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head
             num_layers=2, caption_channels=32)
 TINY_LATENT, TINY_TEXT = (2, 3, 4), 8
 ATTENTIONS = ("ulysses", "ring")
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                tie_word_embeddings=False)
-TINY_QWEN3 = dict(QWEN3_8B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 PREFILL, DECODE_CACHE = 8192, 4096
 TINY_PREFILL, TINY_DECODE_CACHE = 32, 16
 
