@@ -65,6 +65,21 @@ def test_ltx_pipeline_tiny_fused_qkv(tmp_path):
         assert run["latents_max_abs_diff"] < 0.1 and run["latents_mean_abs_diff"] < 0.01, run["config"]
 
 
+def test_ltx_pipeline_tiny_fp8(tmp_path):
+    """--fp8: the FP8 configurations run (FP8Linear's CPU path), their latents' relative L2
+    from the baseline's recorded: more than the bf16 kernels' (FP8 ran), within a few %."""
+    output = tmp_path / "ltx.json"
+    load_script("ltx_pipeline").main(["--tiny", "--compile-backend", "eager", "--warmup-iterations", "0", "--device",
+                                      "cpu", "--no-optimized-kernels", "--fp8", "--output", str(output)])
+    runs = {run["config"]: run for run in json.loads(output.read_text())["runs"]}
+    assert list(runs) == ["baseline", "kernels+fp8", "compile+kernels+fp8"]
+    assert runs["baseline"]["latents_rel_l2"] == 0
+    for config in ("kernels+fp8", "compile+kernels+fp8"):
+        run = runs[config]
+        assert run["error"] is None and run["replaced"]["FP8Linear"] == 20, run
+        assert 0 < run["latents_rel_l2"] < 0.05, run
+
+
 def test_qwen3_generate_tiny_all(tmp_path):
     output = tmp_path / "qwen3.json"
     load_script("qwen3_generate").main([*TINY_ARGS, "--output", str(output)])

@@ -3,6 +3,7 @@ eager and compiled: the command behind the seed's end-to-end numbers.
 
     python -m benchmarks.e2e.ltx_pipeline --all --num-frames 49 --steps 30 --output benchmarks/results/ltx_pipeline.json
     python -m benchmarks.e2e.ltx_pipeline --tiny --all --compile-backend eager      # small models, seconds on CPU
+    python -m benchmarks.e2e.ltx_pipeline --all --fp8 --torchao-fp8 --num-frames 49 --steps 30 --fuse-qkv
 
 Loading: `LTXPipeline.from_pretrained(--model)` when the weights can be had; otherwise (no
 network, as on our machines) the same pipeline built from configs with random weights: the
@@ -16,7 +17,11 @@ offload hooks), compile (`torch.compile(transformer, fullgraph=True)`), compile+
 (kernelized, then compiled). Each runs --warmup-iterations untimed generations, then one
 timed: denoising per step (a step callback, synchronized on GPU) and in total, then the VAE
 decode of the final latents. Every run starts from the same seed; the final latents of each
-configuration are compared with the baseline's.
+configuration are compared with the baseline's (max and mean abs diff, relative L2).
+FP8 (sm_89+ on CUDA): `--fp8` adds kernels+fp8 and compile+kernels+fp8
+(`kernelize_diffusers(fp8=True)`), `--torchao-fp8` adds torchao-fp8 and compile+torchao-fp8
+(torchao's per-row FP8 on a copy of the transformer), for their speed and their latents'
+distance from the baseline's.
 
 On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code generation
 (the CPU tests use it: the same fullgraph capture, in seconds).
@@ -68,6 +73,7 @@ class Run:
     speedup_total: Optional[float] = None
     latents_max_abs_diff: Optional[float] = None  # final latents vs baseline's
     latents_mean_abs_diff: Optional[float] = None
+    latents_rel_l2: Optional[float] = None
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
 
@@ -85,8 +91,9 @@ def load_pipeline(args, dtype):
                   flush=True)
     torch.manual_seed(0)
     with torch.device(args.device):  # random init on the device: seconds, where the CPU takes minutes
-        transformer = LTXVideoTransformer3DModel(**(TINY_TRANSFORMER if args.tiny else {}))
-        vae = AutoencoderKLLTXVideo(**(TINY_VAE if args.tiny else {}))
+        # eval(), as from_pretrained leaves them (kernelize_diffusers(fp8=True) refuses training mode)
+        transformer = LTXVideoTransformer3DModel(**(TINY_TRANSFORMER if args.tiny else {})).eval()
+        vae = AutoencoderKLLTXVideo(**(TINY_VAE if args.tiny else {})).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER)
     pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
     return pipe.to(dtype=dtype), True
@@ -162,9 +169,14 @@ def configure(pipe, transformer, config, args) -> Dict[str, int]:
     pipe.to(args.device)
     unkernelize(transformer)
     torch._dynamo.reset()  # each configuration compiles its own graphs
-    replaced = kernelize_diffusers(pipe, mode=kernelize_mode(config)) if config.endswith("kernels") else {}
+    fp8 = {"fp8": True} if config.endswith("+fp8") else {}
+    replaced = kernelize_diffusers(pipe, mode=kernelize_mode(config), **fp8) if "kernels" in config else {}
+    if "torchao-fp8" in config:
+        from benchmarks.e2e.e2e_models import torchao_fp8
+
+        pipe.transformer = torchao_fp8(transformer)
     if config.startswith("compile"):
-        pipe.transformer = torch.compile(transformer, fullgraph=True, backend=args.compile_backend)
+        pipe.transformer = torch.compile(pipe.transformer, fullgraph=True, backend=args.compile_backend)
     if args.cpu_offload:
         pipe.enable_model_cpu_offload(device=args.device)
     return replaced
@@ -192,6 +204,7 @@ def benchmark(pipe, args, embeddings, configs) -> List[Run]:
             baseline_latents = latents
         difference = (latents - baseline_latents).abs()
         run.latents_max_abs_diff, run.latents_mean_abs_diff = difference.max().item(), difference.mean().item()
+        run.latents_rel_l2 = (difference.float().norm() / baseline_latents.float().norm()).item()
         runs.append(run)
     pipe.remove_all_hooks()
     pipe.transformer = transformer
@@ -209,10 +222,11 @@ def table(runs: List[Run]) -> str:
         median_step = sorted(r.step_ms)[len(r.step_ms) // 2]
         return [f"{r.denoise_s:.3f}", f"{r.it_per_s:.2f}", f"{median_step:.1f}", f"{r.decode_s:.3f}",
                 f"{r.total_s:.3f}", f"{r.speedup_denoise:.2f}x", f"{r.speedup_total:.2f}x",
-                f"{r.latents_max_abs_diff:.2e} / {r.latents_mean_abs_diff:.2e}"]
+                f"{r.latents_max_abs_diff:.2e} / {r.latents_mean_abs_diff:.2e}", f"{100 * r.latents_rel_l2:.2f}%"]
 
     return markdown_table(["configuration", "denoise (s)", "it/s", "median step (ms)", "VAE decode (s)", "total (s)",
-                           "speedup (denoise)", "speedup (total)", "latents max / mean abs diff"], runs, cells)
+                           "speedup (denoise)", "speedup (total)", "latents max / mean abs diff", "latents rel L2"],
+                          runs, cells)
 
 
 def parse_args(argv=None):
@@ -229,6 +243,9 @@ def parse_args(argv=None):
     parser.add_argument("--fuse-qkv", action="store_true",
                         help="diffusers' transformer.fuse_qkv_projections() first (every configuration: the stock "
                              "processor ignores it, the kernelized attention projects q, k, v in one GEMM)")
+    parser.add_argument("--fp8", action="store_true", help="also kernels+fp8 and compile+kernels+fp8")
+    parser.add_argument("--torchao-fp8", action="store_true",
+                        help="also torchao-fp8 and compile+torchao-fp8 (needs torchao)")
     parser.add_argument("--tiny", action="store_true",
                         help=f"tiny transformer and VAE, {TINY_SIZE['num_frames']} frames at "
                              f"{TINY_SIZE['height']}x{TINY_SIZE['width']}, {TINY_SIZE['steps']} steps (CI on CPU)")
@@ -250,6 +267,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
     configs = selected_configs(args)
+    configs += ["kernels+fp8", "compile+kernels+fp8"] if args.fp8 else []
+    configs += ["torchao-fp8", "compile+torchao-fp8"] if args.torchao_fp8 else []
 
     from diffusers.utils import logging as diffusers_logging
 
