@@ -28,6 +28,7 @@ On CPU, `--compile-backend eager` runs dynamo's tracing without inductor's code 
 """
 
 import argparse
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,7 @@ class Run:
     latents_max_abs_diff: Optional[float] = None  # final latents vs baseline's
     latents_mean_abs_diff: Optional[float] = None
     latents_rel_l2: Optional[float] = None
+    video_psnr_db: Optional[float] = None  # decoded video vs baseline's ([-1, 1]: peak 2); None where equal
     replaced: Dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
 
@@ -136,7 +138,7 @@ def decode(pipe, latents, args):
 
 
 def generate(pipe, args, embeddings):
-    """One generation: (final latents, per-step ms, denoise s, decode s, decoded video shape)."""
+    """One generation: (final latents, per-step ms, denoise s, decode s, decoded video)."""
     step_ends = []
 
     def on_step_end(pipeline, step, timestep, tensors):
@@ -158,7 +160,7 @@ def generate(pipe, args, embeddings):
     decoded = time.perf_counter()
     steps = [start, *step_ends]
     step_ms = [(b - a) * 1e3 for a, b in zip(steps, steps[1:])]
-    return latents.float(), step_ms, denoised - start, decoded - denoised, list(video.shape)
+    return latents.float(), step_ms, denoised - start, decoded - denoised, video
 
 
 def configure(pipe, transformer, config, args) -> Dict[str, int]:
@@ -184,7 +186,7 @@ def configure(pipe, transformer, config, args) -> Dict[str, int]:
 
 def benchmark(pipe, args, embeddings, configs) -> List[Run]:
     transformer = pipe.transformer
-    runs, baseline_latents = [], None
+    runs, baseline_latents, baseline_video = [], None, None
     for config in configs:
         run = Run(config)
         print(f"\n== {config}", flush=True)
@@ -192,7 +194,8 @@ def benchmark(pipe, args, embeddings, configs) -> List[Run]:
             run.replaced = configure(pipe, transformer, config, args)
             for _ in range(args.warmup_iterations):
                 generate(pipe, args, embeddings)
-            latents, run.step_ms, run.denoise_s, run.decode_s, run.video_shape = generate(pipe, args, embeddings)
+            latents, run.step_ms, run.denoise_s, run.decode_s, video = generate(pipe, args, embeddings)
+            run.video_shape = list(video.shape)
         except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
             run.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             print(f"{config}: {run.error}", flush=True)
@@ -201,10 +204,13 @@ def benchmark(pipe, args, embeddings, configs) -> List[Run]:
         run.it_per_s = args.steps / run.denoise_s
         run.total_s = run.denoise_s + run.decode_s
         if baseline_latents is None:  # the first configuration that ran is the reference
-            baseline_latents = latents
+            baseline_latents, baseline_video = latents, video.float()
         difference = (latents - baseline_latents).abs()
         run.latents_max_abs_diff, run.latents_mean_abs_diff = difference.max().item(), difference.mean().item()
         run.latents_rel_l2 = (difference.float().norm() / baseline_latents.float().norm()).item()
+        mse = (video.float() - baseline_video).square().mean().item()
+        run.video_psnr_db = 10 * math.log10(4 / mse) if mse > 0 else None
+        del video
         runs.append(run)
     pipe.remove_all_hooks()
     pipe.transformer = transformer
@@ -222,10 +228,11 @@ def table(runs: List[Run]) -> str:
         median_step = sorted(r.step_ms)[len(r.step_ms) // 2]
         return [f"{r.denoise_s:.3f}", f"{r.it_per_s:.2f}", f"{median_step:.1f}", f"{r.decode_s:.3f}",
                 f"{r.total_s:.3f}", f"{r.speedup_denoise:.2f}x", f"{r.speedup_total:.2f}x",
-                f"{r.latents_max_abs_diff:.2e} / {r.latents_mean_abs_diff:.2e}", f"{100 * r.latents_rel_l2:.2f}%"]
+                f"{r.latents_max_abs_diff:.2e} / {r.latents_mean_abs_diff:.2e}", f"{100 * r.latents_rel_l2:.2f}%",
+                "-" if r.video_psnr_db is None else f"{r.video_psnr_db:.1f}"]
 
     return markdown_table(["configuration", "denoise (s)", "it/s", "median step (ms)", "VAE decode (s)", "total (s)",
-                           "speedup (denoise)", "speedup (total)", "latents max / mean abs diff", "latents rel L2"],
+                           "speedup (denoise)", "speedup (total)", "latents max / mean abs diff", "latents rel L2", "video PSNR dB"],
                           runs, cells)
 
 
