@@ -75,13 +75,15 @@ def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
 
 
 def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
-    """The FP8 configurations run on the CPU (FP8Linear's reference path): converted
-    linears counted, the output's relative L2 from eager recorded and shown; torchao's where
-    it is installed, else its import error reported in its cells; Qwen3 refused by name."""
+    """The FP8 configurations run on the CPU (FP8Linear's reference path), on heavy-tailed
+    inputs: converted linears counted, the output's relative L2 from eager recorded and shown;
+    torchao's where it is installed, else its import error reported in its cells; Qwen3
+    refused by name."""
     bench = load_benchmark()
     out = tmp_path / "e2e.json"
-    bench.main(["--tiny", "--device", "cpu", "--compile-backend", "eager", "--configs", ",".join(("eager",) + bench.FP8_CONFIGS),
-                "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    configs = ",".join(("eager",) + bench.FP8_CONFIGS)
+    bench.main(["--tiny", "--device", "cpu", "--compile-backend", "eager", "--configs", configs,
+                "--heavy-tails", "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
     results = json.loads(out.read_text())["results"]
     by = {(r["workload"].split()[0], r["config"]): r for r in results}
     for config in ("eager+kernels+fp8", "compile+kernels+fp8"):

@@ -232,7 +232,8 @@ def table(runs: List[Run]) -> str:
                 "-" if r.video_psnr_db is None else f"{r.video_psnr_db:.1f}"]
 
     return markdown_table(["configuration", "denoise (s)", "it/s", "median step (ms)", "VAE decode (s)", "total (s)",
-                           "speedup (denoise)", "speedup (total)", "latents max / mean abs diff", "latents rel L2", "video PSNR dB"],
+                           "speedup (denoise)", "speedup (total)", "latents max / mean abs diff", "latents rel L2",
+                           "video PSNR dB"],
                           runs, cells)
 
 

@@ -54,7 +54,8 @@ class FP8Linear(torch.nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear: input of {x.shape[-1]} features, the layer takes {self.in_features}")
         if x.device.type == "cuda" and x.dtype != torch.bfloat16:
-            raise TypeError(f"FP8Linear on CUDA takes bfloat16 input (the row-wise scaled GEMM's output), got {x.dtype}")
+            raise TypeError(f"FP8Linear on CUDA takes bfloat16 input (the row-wise scaled GEMM's output), "
+                            f"got {x.dtype}")
         rows = x.reshape(-1, self.in_features)
         q, scales = quantize_fp8(rows)
         bias = None if self.bias is None else self.bias.to(x.dtype)
