@@ -59,6 +59,21 @@ def test_fp8_linear_is_the_gemm_of_its_quantized_operands(device, dtype, bias):
     assert bool((err <= bound + rounding).all()), f"max error {err.max().item():.2e}"
     rel = ((y.float() - stock.float()).norm() / stock.float().norm()).item()
     assert 0 < rel < 0.08, rel  # e4m3 operands: a few % of the 16-bit layer's output
+    with torch.no_grad():  # views nn.Linear takes: transposed, expanded
+        xt = x.reshape(10, 64).t().contiguous().t()
+        assert torch.equal(layer(xt), layer(xt.contiguous()))
+        xe = x[:, :1].expand(2, 5, 64)
+        assert torch.equal(layer(xe), layer(xe.contiguous()))
+
+
+def test_fp8_linear_keeps_its_dtypes_through_a_model_cast():
+    layer = lki.FP8Linear(torch.nn.Linear(64, 48).to(BF16))
+    x = torch.randn(3, 64, dtype=BF16)
+    with torch.no_grad():
+        want = layer(x)
+        layer.to(torch.float16).to(BF16)
+        assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+        assert torch.equal(layer(x), want)
 
 
 def test_fp8_linear_refusals():
@@ -69,6 +84,10 @@ def test_fp8_linear_refusals():
         pass
     with pytest.raises(ValueError, match="LoRA-wrapped"):
         lki.FP8Linear(LoraLinear(64, 48))
+    hooked = torch.nn.Linear(64, 48)
+    hooked.register_forward_hook(lambda module, args, out: out)
+    with pytest.raises(ValueError, match="forward hooks"):
+        lki.FP8Linear(hooked)
     layer = lki.FP8Linear(torch.nn.Linear(64, 48))
     with pytest.raises(RuntimeError, match="FP8Linear is for inference"):
         layer(torch.randn(3, 64, requires_grad=True))
@@ -96,6 +115,10 @@ def test_kernelize_diffusers_fp8_ltx(device, fused):
     counts = lki.kernelize_diffusers(model, fp8=True)
     # 2 blocks: attn1 and attn2 (q, k, v, out) and the feed-forward (2), and the fused to_qkv / to_kv
     assert counts["FP8Linear"] == 2 * (4 + 4 + 2) + (4 if fused else 0)
+    assert lki.kernelize_diffusers(model, fp8=True)["FP8Linear"] == counts["FP8Linear"]  # again: the same
+    fused_calls = []
+    if fused:
+        model.transformer_blocks[0].attn1.to_qkv.register_forward_pre_hook(lambda m, a: fused_calls.append(1))
     assert counts["LTXVideoTransformerBlock"] == 2
     assert isinstance(model.transformer_blocks[0].attn1.to_q, lki.FP8Linear)
     assert isinstance(model.proj_out, torch.nn.Linear)  # outside the blocks: 16-bit
@@ -104,6 +127,7 @@ def test_kernelize_diffusers_fp8_ltx(device, fused):
         got = model(**inputs, return_dict=False)[0].float()
     rel = ((got - want).norm() / want.norm()).item()
     assert 0 < rel < LTX_FP8_REL_L2, rel
+    assert len(fused_calls) == (1 if fused else 0)  # the fused FP8 GEMM projected q, k, v
     lki.unkernelize(model)
     assert not any(isinstance(m, lki.FP8Linear) for m in model.modules())
     with torch.no_grad():
@@ -130,3 +154,25 @@ def test_kernelize_diffusers_fp8_refusals():
         lki.kernelize_diffusers(model, fp8=True)
     assert lki.replaced_modules(model) == {}
     assert not any(isinstance(m, lki.FP8Linear) for m in model.modules())
+
+
+def test_convert_and_restore_linears_alone():
+    """The conversion without kernelize: the blocks' linears but a hooked one (another
+    library's forward hook stays on its 16-bit linear), back by restore_linears."""
+    model = small_ltx("cpu", BF16)
+    stock = copy.deepcopy(model)
+    hooked = model.transformer_blocks[0].ff.net[2]
+    hooked.register_forward_hook(lambda module, args, out: out)
+    inputs = ltx_inputs("cpu", BF16)
+    assert lki.convert_linears_to_fp8(model) == 19
+    assert model.transformer_blocks[0].ff.net[2] is hooked
+    with torch.no_grad():
+        want = stock(**inputs, return_dict=False)[0].float()
+        rel = ((model(**inputs, return_dict=False)[0].float() - want).norm() / want.norm()).item()
+    assert 0 < rel < LTX_FP8_REL_L2, rel
+    assert lki.restore_linears(model) == 19
+    assert type(model.transformer_blocks[0].attn1.to_q) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(model(**inputs, return_dict=False)[0].float(), want)
+    with pytest.raises(ValueError, match="no attention or feed-forward linear"):
+        lki.convert_linears_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 64)).eval())

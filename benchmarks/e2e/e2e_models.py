@@ -275,11 +275,14 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
 
 def torchao_fp8(model):
     """A copy of ``model`` quantized by torchao's per-row dynamic FP8 (activations and
-    weights), as its README shows for diffusers."""
+    weights), on the linears ``kernelize_diffusers(fp8=True)`` converts (the blocks'
+    attention and feed-forward), so that the two compare like for like."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     copied = copy.deepcopy(model)
-    quantize_(copied, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    chosen = {id(linear) for _, _, linear in _kernel.fp8_linear.fp8_plan(copied)}
+    quantize_(copied, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda module, name: id(module) in chosen)
     return copied
 
 
@@ -341,7 +344,7 @@ def timeline(intervals) -> dict:
 def left_stock(r: Result) -> bool:
     """A kernelized configuration whose model kernelize left stock (transformers under
     compile): a second measurement of the configuration without kernels."""
-    return "+kernels" in r.config and not r.replaced
+    return "+kernels" in r.config and not r.replaced and r.error is None
 
 
 def markdown(results: List[Result], configs) -> str:

@@ -22,8 +22,8 @@ Timing: wall time per forward on each rank (CUDA events after a barrier, median 
 ``--repeats`` after ``--warmup``), the slowest rank's reported. Each output is compared on
 rank 0 with the one-GPU output of the same code (stock with stock, kernelized with
 kernelized): max abs diff and relative L2. The table gives the speedup over one GPU and,
-per attention, the kernels' gain under parallelism beside their one-GPU gain (the issue's
-targets: 13B Ulysses >= 1.8x over one GPU; the CP gain >= the one-GPU gain - 5%).
+per attention, the kernels' gain under parallelism beside their one-GPU gain (targets: 13B
+Ulysses >= 1.8x over one GPU; the gain under parallelism >= the one-GPU gain - 5%).
 
 ``--tiny --device cpu``: a small model on gloo, the test suite's smoke run (it installs
 the test-only CPU shims of tests/multi_process_worker.py first).
@@ -210,7 +210,7 @@ def run_qwen3(lki, tiny, device, warmup, repeats, checkpoint: Path) -> List[Row]
                 except Exception as error:  # noqa: BLE001
                     row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 rows.append(row)
-            del model
+            del model, call  # the decode closure holds the model too
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows

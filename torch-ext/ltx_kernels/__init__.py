@@ -13,17 +13,17 @@ from .rope import qk_norm_rope, rope_interleaved, rope_rotate_half
 sharding.register_when_available()  # DTensor rules for this build's op namespace
 
 __all__ = [
-    "FP8Linear",
     "adaln",
     "adaln_fp8",
+    "convert_linears_to_fp8",
     "diffusers_mapping",
+    "FP8Linear",
     "fused_add_rms_norm",
     "gated_residual",
     "gated_residual_adaln",
     "geglu",
     "gelu",
     "gelu_mul",
-    "convert_linears_to_fp8",
     "kernelize_diffusers",
     "kernelize_transformers",
     "layers",

@@ -11,7 +11,7 @@ row-wise scaled GEMM's output type); on the CPU any 16- or 32-bit float input (a
 path: PyTorch's CPU GEMM, not a fast one).
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -30,8 +30,11 @@ _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
 class FP8Linear(torch.nn.Module):
-    """``linear`` as an FP8 GEMM (see the module's doc). ``linear`` itself is kept (not as a
-    submodule: no state-dict entries) so that `restore_linears` can put it back."""
+    """``linear`` as an FP8 GEMM (see the module's doc). A copy of ``linear`` is kept on the
+    CPU (the 16-bit weight need not stay on the GPU) and not as a submodule (no state-dict
+    entries, no ``.to()``), so that `restore_linears` can put it back on the layer's device.
+    A dtype cast of the model (``.to(torch.bfloat16)``, ``.half()``) leaves the FP8 weight
+    and its fp32 scales as they are."""
 
     def __init__(self, linear: torch.nn.Linear, *, fast_accum: bool = False):
         super().__init__()
@@ -45,7 +48,18 @@ class FP8Linear(torch.nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.fast_accum = fast_accum
-        self._original: Tuple[torch.nn.Linear] = (linear,)
+        self._original: Tuple[torch.nn.Linear] = (_cpu_copy(linear),)
+
+    def _apply(self, fn, recurse=True):
+        # float8 counts as a floating type: a model-wide dtype cast would convert the FP8
+        # weight and its scales; they keep their dtypes and take the new device only.
+        weight, scale = self.weight_fp8, self.weight_scale
+        super()._apply(fn, recurse)
+        if self.weight_fp8.dtype != weight.dtype:
+            self.weight_fp8 = weight.to(self.weight_fp8.device)
+        if self.weight_scale.dtype != scale.dtype:
+            self.weight_scale = scale.to(self.weight_scale.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad:
@@ -57,6 +71,8 @@ class FP8Linear(torch.nn.Module):
             raise TypeError(f"FP8Linear on CUDA takes bfloat16 input (the row-wise scaled GEMM's output), "
                             f"got {x.dtype}")
         rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():  # transposed or expanded views nn.Linear takes
+            rows = rows.contiguous()
         q, scales = quantize_fp8(rows)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=scales, scale_b=self.weight_scale, bias=bias,
@@ -66,6 +82,16 @@ class FP8Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, fast_accum={self.fast_accum}")
+
+
+def _cpu_copy(linear: torch.nn.Linear) -> torch.nn.Linear:
+    """``linear`` copied to the CPU without a second copy on its own device."""
+    copied = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    for name in ("weight", "bias"):
+        p = getattr(linear, name)
+        if p is not None:
+            setattr(copied, name, torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad))
+    return copied.train(linear.training)
 
 
 def _lora_wrapped(module: torch.nn.Module) -> bool:
@@ -80,8 +106,10 @@ def fp8_refusal(module: torch.nn.Module) -> Optional[str]:
     if _lora_wrapped(module):
         return (f"{type(module).__name__} is LoRA-wrapped: merge the adapters first (peft's merge_and_unload, "
                 "diffusers' fuse_lora + unload_lora_weights), then convert")
-    if type(module) is not torch.nn.Linear:
-        return f"{type(module).__name__} is not a plain torch.nn.Linear"
+    if type(module) is not torch.nn.Linear or type(module.weight) is not torch.nn.Parameter:
+        return f"{type(module).__name__} is not a plain torch.nn.Linear (a subclass, or a quantized weight)"
+    if module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module):
+        return "it has forward hooks or an instance forward (another library's), which the FP8 layer would drop"
     if module.in_features % _GEMM_MULTIPLE or module.out_features % _GEMM_MULTIPLE:
         return (f"[{module.out_features}, {module.in_features}] weight: the FP8 GEMM takes sizes in "
                 f"multiples of {_GEMM_MULTIPLE}")
@@ -152,10 +180,6 @@ def restore_linears(model: torch.nn.Module) -> int:
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, FP8Linear)]
     for path, module in found:
         parent_path, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, name, module._original[0])
+        original = module._original[0].to(module.weight_fp8.device)
+        setattr(model.get_submodule(parent_path) if parent_path else model, name, original)
     return len(found)
-
-
-def fp8_linear_counts(model: torch.nn.Module) -> Dict[str, int]:
-    n = sum(isinstance(m, FP8Linear) for m in model.modules())
-    return {"FP8Linear": n} if n else {}

@@ -55,7 +55,7 @@ from typing import Dict, Iterator, Optional, Union
 import torch
 
 from . import layers
-from .fp8_linear import apply_fp8_plan, fp8_plan, restore_linears
+from .fp8_linear import FP8Linear, apply_fp8_plan, fp8_plan, restore_linears
 from .layers import _host
 
 __all__ = ["diffusers_mapping", "kernelize_diffusers", "kernelize_transformers", "replaced_modules",
@@ -258,7 +258,8 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
     mapping = diffusers_mapping(repo, **kwargs)
     counts: Dict[str, int] = {}
     fp8_plans = {name: fp8_plan(model) for name, model in models.items()} if fp8 else {}
-    if fp8 and not any(fp8_plans.values()):
+    converted_before = sum(isinstance(m, FP8Linear) for model in models.values() for m in model.modules())
+    if fp8 and not any(fp8_plans.values()) and not converted_before:
         raise ValueError(f"fp8: {', '.join(f'{n} ({type(m).__name__})' for n, m in models.items())} has no "
                          "attention or feed-forward linear in its transformer blocks to convert")
     for name, model in models.items():
@@ -278,8 +279,8 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
                          f"ltx-kernels replaces (supported: {', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)})"
                          f"{_mode_note(mode)}")
     converted = sum(apply_fp8_plan(plan, fast_accum=fp8_fast_accum) for plan in fp8_plans.values())
-    if converted:
-        counts["FP8Linear"] = converted
+    if converted + converted_before:
+        counts["FP8Linear"] = converted + converted_before
     return counts
 
 
