@@ -184,11 +184,13 @@ def test_multi_gpu_benchmark_runs_on_cpu_ranks(tmp_path):
     ltx = [(s, c) for s in ("1 GPU", "ulysses", "ring") for c in ("stock", "kernelized")]
     qwen3 = [(w, s, c) for s in ("1 GPU", "tensor parallel") for c in ("stock", "kernelized")
              for w in ("qwen3 prefill", "qwen3 decode")]
+    qwen3 += [("qwen3 training step", s, c) for s in ("1 GPU", "tensor parallel", "FSDP2")
+              for c in ("stock", "kernelized")]
     assert [(r["setup"], r["config"]) for r in rows if r["model"] == "tiny"] == ltx
     assert [(r["model"], r["setup"], r["config"]) for r in rows if r["model"] != "tiny"] == qwen3
     for r in rows:
         assert r["error"] is None and r["ms"] > 0, r
         assert bool(r["replaced"]) == (r["config"] == "kernelized"), r
-        if r["setup"] != "1 GPU":
-            assert r["rel_l2"] < 1e-2, r  # bf16: the parallel attention's other order of sums
+        if r["setup"] != "1 GPU":  # bf16: the parallel code's other order of sums
+            assert r["rel_l2"] < (5e-2 if r["model"] == "qwen3 training step" else 1e-2), r
     assert "| tiny | ulysses |" in out.with_suffix(".md").read_text()

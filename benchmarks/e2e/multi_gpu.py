@@ -16,7 +16,9 @@ kernelized (`kernelize_diffusers` after enable_parallelism).
 Qwen3-8B (``--models qwen3``; from its config, random weights that rank 0 saves once under
 ``--checkpoint-dir``): ``from_pretrained(tp_plan="auto")``, stock and kernelized
 (`kernelize_transformers` after loading), against the whole model on each rank: a prefill
-of 8192 tokens and a decode step on a 4096-token cache, the last token's logits compared.
+of 8192 tokens and a decode step on a 4096-token cache, the last token's logits compared;
+and a training step of a smaller Qwen3 under tp_plan="auto" and under FSDP2, its loss and
+grads against one GPU's (``run_qwen3_training``).
 
 Timing: wall time per forward on each rank (CUDA events after a barrier, median of
 ``--repeats`` after ``--warmup``), the slowest rank's reported. Each output is compared on
@@ -97,9 +99,10 @@ def make_inputs(model, tiny: bool, device: torch.device) -> dict:
                 encoder_attention_mask=None, num_frames=frames, height=height, width=width, return_dict=False)
 
 
-def timed(model, inputs, device, warmup: int, repeats: int):
-    """The output and the slowest rank's median ms per forward."""
-    with torch.no_grad():
+def timed(model, inputs, device, warmup: int, repeats: int, grad: bool = False):
+    """The output and the slowest rank's median ms per call (``grad``: with autograd on, for
+    training steps)."""
+    with torch.enable_grad() if grad else torch.no_grad():
         out = model(**inputs)[0]
         out = out.full_tensor() if hasattr(out, "full_tensor") else out  # a DTensor under tensor parallelism
         for _ in range(warmup):
@@ -216,13 +219,80 @@ def run_qwen3(lki, tiny, device, warmup, repeats, checkpoint: Path) -> List[Row]
     return rows
 
 
+def run_qwen3_training(lki, tiny, device, warmup, repeats, checkpoint: Path) -> List[Row]:
+    """A training step (forward, loss, backward) of a smaller Qwen3 (0.5B: 8 layers, 1024
+    wide) on a batch of 2 x 1024 tokens, alone on each rank, under tp_plan="auto" and under
+    FSDP2 (each decoder layer and the model fully_shard-ed; every rank the same batch, so the
+    averaged grads are one GPU's), stock and kernelized (Mode.TRAINING). max_abs_diff: the
+    loss against one GPU's; rel_l2: the worst parameter grad's."""
+    from kernels import Mode
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = TINY_QWEN3 if tiny else dict(QWEN3_8B, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                                          num_attention_heads=16, num_key_value_heads=8, head_dim=64)
+    path = checkpoint / ("qwen3-train-tiny" if tiny else "qwen3-train")
+    if dist.get_rank() == 0 and not (path / "config.json").exists():
+        torch.manual_seed(0)
+        with torch.device(device):
+            Qwen3ForCausalLM(Qwen3Config(**config)).to(DTYPE).save_pretrained(path)
+    dist.barrier()
+    ids = torch.randint(0, config["vocab_size"], (2, 16 if tiny else 1024), device=device,
+                        generator=torch.Generator(device).manual_seed(2))
+    dist.broadcast(ids, 0)
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).float()
+
+    def fsdp(model):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+
+    setups = {"1 GPU": (dict(device_map=device), None), "tensor parallel": (dict(tp_plan="auto"), None),
+              "FSDP2": (dict(device_map=device), fsdp)}
+    rows, one_gpu = [], {}
+    for setup, (loading, parallelize) in setups.items():
+        for kind in ("stock", "kernelized"):
+            row = Row("qwen3 training step", setup, kind)
+            try:
+                model = Qwen3ForCausalLM.from_pretrained(path, dtype=DTYPE, **loading).train()
+                row.replaced = lki.kernelize_transformers(model, mode=Mode.TRAINING) if kind == "kernelized" else {}
+                if parallelize is not None:
+                    model = parallelize(model)
+
+                def step(**_):
+                    model.zero_grad(set_to_none=True)
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    return (loss.detach(),)
+                loss, row.ms = timed(step, {}, device, warmup, repeats, grad=True)
+                grads = {n.replace("_orig_mod.", ""): full(p.grad) for n, p in model.named_parameters()
+                         if p.grad is not None}
+                if setup == "1 GPU":
+                    one_gpu[kind] = loss, grads
+                else:
+                    want_loss, want_grads = one_gpu[kind]
+                    row.max_abs_diff = (loss - want_loss).abs().item()
+                    row.rel_l2 = max(((g - want_grads[n]).norm() / want_grads[n].norm().clamp(min=1e-12)).item()
+                                     for n, g in grads.items())
+                del model, step, grads
+            except Exception as error:  # noqa: BLE001
+                row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            rows.append(row)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def markdown(rows: List[Row], world: int) -> str:
     lines = [f"| model | setup | stock ms | kernelized ms | kernels' gain | stock vs 1 GPU | kernelized vs 1 GPU "
              f"| kernelized max abs diff / rel L2 vs 1 GPU |", "|---|---|---|---|---|---|---|---|"]
     by = {(r.model, r.setup, r.config): r for r in rows}
     for model in dict.fromkeys(r.model for r in rows):
         one = {c: by.get((model, "1 GPU", c)) for c in ("stock", "kernelized")}
-        for setup in ("1 GPU", *ATTENTIONS, "tensor parallel"):
+        for setup in ("1 GPU", *ATTENTIONS, "tensor parallel", "FSDP2"):
             stock, ours = by.get((model, setup, "stock")), by.get((model, setup, "kernelized"))
             if stock is None:
                 continue
@@ -275,6 +345,7 @@ def main(argv=None) -> List[Row]:
             rows += run_model(name, lki, args.tiny, device, args.warmup, args.repeats, world)
         if "qwen3" in models:
             rows += run_qwen3(lki, args.tiny, device, args.warmup, args.repeats, args.checkpoint_dir)
+            rows += run_qwen3_training(lki, args.tiny, device, args.warmup, args.repeats, args.checkpoint_dir)
     finally:
         if rank == 0:
             table = markdown(rows, world)
