@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -130,9 +131,11 @@ inline RowView row_view(const at::Tensor& t, const char* op, const char* arg) {
 // views that are not dense, which is where the slices of a fused projection live).
 namespace overlap_detail {
 
-// The (byte stride, size) of each dim of more than one element.
-inline std::vector<std::pair<int64_t, int64_t>> strided_dims(const at::Tensor& t) {
-  std::vector<std::pair<int64_t, int64_t>> dims;
+// The (byte stride, size) of each dim of more than one element; inline storage for the
+// usual ranks, so that the checks of every op call allocate nothing.
+using StridedDims = c10::SmallVector<std::pair<int64_t, int64_t>, 6>;
+inline StridedDims strided_dims(const at::Tensor& t) {
+  StridedDims dims;
   const int64_t item = static_cast<int64_t>(t.element_size());
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size(d) > 1) dims.emplace_back(t.stride(d) * item, t.size(d));
