@@ -1,29 +1,62 @@
 // FP8 quantization on CUDA (see fp8.h): a row per lane group, warp or block, as its width
 // needs. Each thread keeps up to kCachedVecs 16-byte vectors of its row in registers from
-// the amax reduction to the write, re-reading any further ones (from L1/L2); rows that are
-// not 16-byte aligned take the scalar path. Reductions and stores: fp8_cuda.cuh.
+// the amax reduction to the write (the input's vectors, or the GELU's fp32 values),
+// re-reading and recomputing any further ones (from L1/L2); rows that are not 16-byte
+// aligned take the scalar path. Reductions and stores: fp8_cuda.cuh.
+#include "activation_math.h"
 #include "cuda_common.cuh"
 #include "fp8.h"
 #include "fp8_cuda.cuh"
+
+#include <type_traits>
 
 namespace ltx {
 namespace {
 
 constexpr int kCachedVecs = 4;
-constexpr int kMaxBlock = 1024;
+// The input's rows fit 64 registers at 1024 threads; GELU rows keep fp32 values (twice a
+// 16-bit vector's registers) and up's, at 512 threads (128 registers).
+template <Fp8Source S>
+constexpr int kMaxBlock = S == Fp8Source::kInput ? 1024 : 512;
 
 template <typename T>
 struct Fp8Params {
   const T* input;            // [rows, cols], rows input_stride apart
+  const T* up;               // [rows, cols], rows up_stride apart, or nullptr
   uint8_t* out;              // [rows, cols] contiguous
   float* scales;             // [rows] or nullptr (static)
   const float* static_scale; // or nullptr (dynamic)
-  int64_t rows, input_stride, cols;
+  int64_t rows, input_stride, up_stride, cols;
   int nvec;                  // vectors per row
 };
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kMaxBlock) quantize_fp8_kernel(const Fp8Params<T> p, int row_shift) {
+template <int VEC>
+struct Floats {
+  float f[VEC];
+};
+
+// Vector i of the row's fp32 values: the input's, or (gelu(x) [* up]) as activation.cu
+// computes them before its rounding.
+template <typename T, int VEC, Fp8Source S, bool HAS_UP>
+__device__ __forceinline__ void row_values(const T* x, const T* up, int i, float (&f)[VEC]) {
+  to_floats(load_vec<T, VEC>(x, i), f);
+  if constexpr (S != Fp8Source::kInput) {
+    float u[VEC];
+    if constexpr (HAS_UP) to_floats(load_vec<T, VEC>(up, i), u);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float g = S == Fp8Source::kGeluTanh ? gelu_tanh(f[j]) : gelu_erf(f[j]);
+      f[j] = HAS_UP ? g * u[j] : g;
+    }
+  }
+}
+
+template <typename T, int VEC, Fp8Source S, bool HAS_UP>
+__global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Params<T> p, int row_shift) {
+  if constexpr (!kFp8Arch) {
+    __trap();
+    return;
+  }
   __shared__ float scratch[32];
   const int threads_per_row = 1 << row_shift;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> row_shift) + (threadIdx.x >> row_shift);
@@ -31,66 +64,89 @@ __global__ void __launch_bounds__(kMaxBlock) quantize_fp8_kernel(const Fp8Params
   // Threads past the last row still take part in the block's reduction.
   const bool active = row < p.rows;
   const T* x = p.input + (active ? row : 0) * p.input_stride;
-  Vec<T, VEC> cached[kCachedVecs];
+  const T* up = HAS_UP ? p.up + (active ? row : 0) * p.up_stride : nullptr;
+  // The input's vectors, converted again for the write; a GELU's values, computed once.
+  constexpr bool kKeepsInput = S == Fp8Source::kInput;
+  using Kept = std::conditional_t<kKeepsInput, Vec<T, VEC>, Floats<VEC>>;
+  Kept kept[kCachedVecs];
 #pragma unroll
   for (int k = 0; k < kCachedVecs; ++k) {
     const int i = t + k * threads_per_row;
-    if (active && i < p.nvec) cached[k] = load_vec<T, VEC>(x, i);
+    if (active && i < p.nvec) {
+      if constexpr (kKeepsInput) kept[k] = load_vec<T, VEC>(x, i);
+      else row_values<T, VEC, S, HAS_UP>(x, up, i, kept[k].f);
+    }
   }
+  auto kept_values = [&](const Kept& v, float (&f)[VEC]) {
+    if constexpr (kKeepsInput) {
+      to_floats(v, f);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] = v.f[j];
+    }
+  };
   float scale;
   if (p.static_scale != nullptr) {
     scale = *p.static_scale;
   } else {
     float amax = 0.f;
-    auto take = [&](const Vec<T, VEC>& v) {
-      float f[VEC];
-      to_floats(v, f);
-      amax = fp8_amax_of(amax, f);
-    };
+    float f[VEC];
 #pragma unroll
     for (int k = 0; k < kCachedVecs; ++k) {
       const int i = t + k * threads_per_row;
-      if (active && i < p.nvec) take(cached[k]);
+      if (active && i < p.nvec) {
+        kept_values(kept[k], f);
+        amax = fp8_amax_of(amax, f);
+      }
     }
     for (int i = t + kCachedVecs * threads_per_row; active && i < p.nvec; i += threads_per_row) {
-      take(load_vec<T, VEC>(x, i));
+      row_values<T, VEC, S, HAS_UP>(x, up, i, f);
+      amax = fp8_amax_of(amax, f);
     }
     scale = fp8_scale_of(row_amax(amax, threads_per_row, scratch));
     if (active && t == 0) p.scales[row] = scale;
   }
   if (!active) return;
   uint8_t* q = p.out + row * p.cols;
-  auto write = [&](const Vec<T, VEC>& v, int i) {
-    float f[VEC];
-    to_floats(v, f);
-    store_fp8<VEC>(q, i, f, scale);
-  };
+  float f[VEC];
 #pragma unroll
   for (int k = 0; k < kCachedVecs; ++k) {
     const int i = t + k * threads_per_row;
-    if (i < p.nvec) write(cached[k], i);
+    if (i < p.nvec) {
+      kept_values(kept[k], f);
+      store_fp8<VEC>(q, i, f, scale);
+    }
   }
-  for (int i = t + kCachedVecs * threads_per_row; i < p.nvec; i += threads_per_row) write(load_vec<T, VEC>(x, i), i);
+  for (int i = t + kCachedVecs * threads_per_row; i < p.nvec; i += threads_per_row) {
+    row_values<T, VEC, S, HAS_UP>(x, up, i, f);
+    store_fp8<VEC>(q, i, f, scale);
+  }
 }
 
-template <typename T>
+template <typename T, Fp8Source S, bool HAS_UP>
 void launch(const Fp8Args& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
-  const bool vector = a.cols % V == 0 && a.input_stride % V == 0 && aligned_to(a.input, 16);
+  const bool vector = a.cols % V == 0 && a.input_stride % V == 0 && aligned_to(a.input, 16) &&
+                      (!HAS_UP || (a.up_stride % V == 0 && aligned_to(a.up, 16)));
   const int vec = vector ? V : 1;
-  const RowLaunch cfg = row_launch(a.cols / vec, kCachedVecs, kMaxBlock);
+  const RowLaunch cfg = row_launch(a.cols / vec, kCachedVecs, kMaxBlock<S>);
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   TORCH_CHECK(blocks <= INT32_MAX, "quantize_fp8: too many rows for one launch (", a.rows, ")");
-  const Fp8Params<T> p{static_cast<const T*>(a.input), a.out, a.scales, a.static_scale, a.rows, a.input_stride,
-                       a.cols, static_cast<int>(a.cols / vec)};
+  const Fp8Params<T> p{static_cast<const T*>(a.input), static_cast<const T*>(a.up), a.out, a.scales,
+                       a.static_scale, a.rows, a.input_stride, a.up_stride, a.cols, static_cast<int>(a.cols / vec)};
   const int shift = __builtin_ctz(cfg.threads_per_row);
   if (vector) {
-    quantize_fp8_kernel<T, V><<<static_cast<unsigned>(blocks), cfg.block, 0, stream>>>(p, shift);
+    quantize_fp8_kernel<T, V, S, HAS_UP><<<static_cast<unsigned>(blocks), cfg.block, 0, stream>>>(p, shift);
   } else {
-    quantize_fp8_kernel<T, 1><<<static_cast<unsigned>(blocks), cfg.block, 0, stream>>>(p, shift);
+    quantize_fp8_kernel<T, 1, S, HAS_UP><<<static_cast<unsigned>(blocks), cfg.block, 0, stream>>>(p, shift);
   }
   check_launch();
+}
+
+template <typename T, Fp8Source S>
+void launch_gelu(const Fp8Args& a, cudaStream_t stream) {
+  return a.up != nullptr ? launch<T, S, true>(a, stream) : launch<T, S, false>(a, stream);
 }
 
 }  // namespace
@@ -106,7 +162,13 @@ void check_fp8_cuda_capability(const char* op, c10::Device device) {
 void run_quantize_fp8_cuda(const Fp8Args& a) {
   const c10::cuda::CUDAGuard guard(a.device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
-  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "quantize_fp8", [&] { launch<scalar_t>(a, stream); });
+  LTX_DISPATCH_FLOAT_TYPES(a.dtype, "quantize_fp8", [&] {
+    switch (a.source) {
+      case Fp8Source::kInput: return launch<scalar_t, Fp8Source::kInput, false>(a, stream);
+      case Fp8Source::kGeluErf: return launch_gelu<scalar_t, Fp8Source::kGeluErf>(a, stream);
+      case Fp8Source::kGeluTanh: return launch_gelu<scalar_t, Fp8Source::kGeluTanh>(a, stream);
+    }
+  });
 }
 
 }  // namespace ltx

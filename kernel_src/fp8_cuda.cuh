@@ -20,6 +20,14 @@ struct Fp8E4m3 {
 template <typename O>
 constexpr bool kFp8Out = std::is_same_v<O, Fp8E4m3>;
 
+// FP8 kernels run on sm_89 and newer (the ops refuse older GPUs): built for an older arch,
+// their bodies are a trap, with no build time or registers spent on code that cannot run.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr bool kFp8Arch = false;
+#else
+constexpr bool kFp8Arch = true;
+#endif
+
 
 // fp8_amax_step over aligned groups of `width` lanes (a power of two <= 32).
 __device__ __forceinline__ float group_amax(float v, int width) {

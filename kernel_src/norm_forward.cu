@@ -5,17 +5,21 @@
 namespace ltx {
 namespace {
 
-// The FP8 output mode (O = Fp8E4m3): AdaLN, or RMSNorm with its weight as the fp32 out's
-// (fp32 beside 16-bit input). No residual add before it: the gated residual's four-vector
-// rows spill at their 128-register bound with it (sm_75, sm_90).
+// The FP8 output mode (O = Fp8E4m3): AdaLN after a gated residual or not, or RMSNorm with
+// its weight as the fp32 out's (fp32 beside 16-bit input).
 template <typename T>
 void run_fp8(const NormArgs& a, cudaStream_t stream) {
   using norm_cuda::launch;
-  TORCH_INTERNAL_ASSERT(a.residual == nullptr, "norm: no FP8 output after a residual add");
+  const bool residual = a.residual != nullptr;
   if (a.scale.ptr != nullptr) {
-    return a.kind == NormKind::kLayer ? launch<T, T, Fp8E4m3, NormKind::kLayer, false, true>(a, stream)
-                                      : launch<T, T, Fp8E4m3, NormKind::kRms, false, true>(a, stream);
+    if (a.kind == NormKind::kLayer) {
+      return residual ? launch<T, T, Fp8E4m3, NormKind::kLayer, true, true>(a, stream)
+                      : launch<T, T, Fp8E4m3, NormKind::kLayer, false, true>(a, stream);
+    }
+    return residual ? launch<T, T, Fp8E4m3, NormKind::kRms, true, true>(a, stream)
+                    : launch<T, T, Fp8E4m3, NormKind::kRms, false, true>(a, stream);
   }
+  TORCH_INTERNAL_ASSERT(!residual, "norm: FP8 RMSNorm after a residual add is no op's");
   if constexpr (sizeof(T) == 2) {
     TORCH_INTERNAL_ASSERT(a.weight_fp32, "norm: FP8 RMSNorm of 16-bit rows takes an fp32 weight (the fp32 out's)");
     launch<T, float, Fp8E4m3, NormKind::kRms, false, false>(a, stream);

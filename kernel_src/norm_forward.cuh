@@ -141,6 +141,10 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
                                                    NORMED && KIND == NormKind::kLayer && RESIDUAL, kFp8Out<O>,
                                                    RESIDUAL))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
+  if constexpr (kFp8Out<O> && !kFp8Arch) {
+    __trap();
+    return;
+  }
   __shared__ float scratch[2][32];  // one per row reduction (LayerNorm's two)
   // Rows take a power of two of threads, passed as its log: the divisions below compile to
   // shifts and masks ahead of the loads.
@@ -638,6 +642,10 @@ __global__ void __launch_bounds__(max_block(false, false))
                             int64_t input_stride, int64_t out_stride, int nvec, float eps, float inv_cols,
                             float weight_offset, float* __restrict__ scales, const float* __restrict__ static_scale) {
   static_assert(!WIDE || (std::is_same_v<T, float> && !CAST), "rms_norm FP8 rows: wide rows are fp32");
+  if constexpr (!kFp8Arch) {
+    __trap();
+    return;
+  }
   constexpr int kHeld = 2;  // the two-vector launch's whole row
   __shared__ float scratch[32], amax_scratch[32];
   const T* x = input + blockIdx.x * input_stride;

@@ -425,6 +425,20 @@ FP8_APIS = [
         make_mod(("scale", "shift")),
         lambda k, t: dequantized(k.adaln_fp8(t["x"], t["scale"], t["shift"], EPS, norm="rms")),
         lambda t: fp8_ref(adaln_ref(t["x"], t["scale"], t["shift"], "rms")), bad_primary_ranks=(1, 4), **FP8_KW),
+    Api("gated_residual_adaln_fp8",
+        (ROWS_IN, Arg("residual", "residual", "rows"), Arg("gate", "gate", **MOD), Arg("scale", "scale", **MOD),
+         Arg("shift", "shift", **MOD)),
+        make_mod(("residual", "gate", "scale", "shift")),
+        lambda k, t: (lambda h, q, s: (h, *dequantized((q, s))))(
+            *k.gated_residual_adaln_fp8(t["residual"], t["x"], t["gate"], t["scale"], t["shift"], EPS, norm="rms")),
+        lambda t: [gated_adaln_ref(t)[0], *fp8_ref(gated_adaln_ref(t)[1][0])], bad_primary_ranks=(1, 4), **FP8_KW),
+    Api("gelu_fp8", (ROWS_IN,), make_rows("x"), lambda k, t: dequantized(k.gelu_fp8(t["x"])),
+        lambda t: fp8_ref(gelu_ref(t["x"], "tanh")), **FP8_KW),
+    Api("gelu_mul_fp8", (GATE, UP), make_rows("gate", "up"),
+        lambda k, t: dequantized(k.gelu_mul_fp8(t["gate"], t["up"], "none")),
+        lambda t: fp8_ref(gelu_ref(t["gate"], "none") * t["up"].double()), **FP8_KW),
+    Api("geglu_fp8", (ROWS_IN,), make_geglu, lambda k, t: dequantized(k.geglu_fp8(t["x"], "tanh")),
+        lambda t: fp8_ref(t["x"].double().chunk(2, -1)[0] * gelu_ref(t["x"].chunk(2, -1)[1], "tanh")), **FP8_KW),
 ]
 
 APIS = NORM_APIS + ROPE_APIS + ACTIVATION_APIS + LAYER_APIS + FP8_APIS
@@ -791,7 +805,9 @@ BACKWARD_OPS = {"rms_norm": ("rms_norm_backward",), "fused_add_rms_norm": ("rms_
                 "qk_norm_rope": ("rope_backward", "rms_norm_backward"), "gelu": ("gelu_backward",),
                 "gelu_mul": ("gelu_mul_backward",), "geglu": ("geglu_backward",),
                 # no derivative: the call itself refuses an input that requires grad
-                "quantize_fp8": ("quantize_fp8",), "rms_norm_fp8": ("rms_norm_fp8",), "adaln_fp8": ("adaln_fp8",)}
+                "quantize_fp8": ("quantize_fp8",), "rms_norm_fp8": ("rms_norm_fp8",), "adaln_fp8": ("adaln_fp8",),
+                "gated_residual_adaln_fp8": ("gated_residual_adaln_fp8",), "gelu_fp8": ("gelu_fp8",),
+                "gelu_mul_fp8": ("gelu_mul_fp8",), "geglu_fp8": ("geglu_fp8",)}
 
 
 def double_backward(call):
@@ -1096,6 +1112,14 @@ def op_samples(kernel, device):
         "rms_norm_fp8_static": [x, w.float(), EPS, 1.0, False, torch.tensor([0.05], device=device)],
         "adaln_fp8": [x, scale, shift, EPS, "layer"],
         "adaln_fp8_static": [x, scale, shift, EPS, "rms", torch.tensor([0.05], device=device)],
+        "gated_residual_adaln_fp8": [res, x, gate, scale, shift, EPS, "layer"],
+        "gated_residual_adaln_fp8_static": [res, x, gate, scale, shift, EPS, "rms", torch.tensor([0.05], device=device)],
+        "gelu_fp8": [x, "tanh"],
+        "gelu_fp8_static": [x, "none", torch.tensor([0.05], device=device)],
+        "gelu_mul_fp8": [x, res, "none"],
+        "gelu_mul_fp8_static": [x, res, "tanh", torch.tensor([0.05], device=device)],
+        "geglu_fp8": [wide, "tanh"],
+        "geglu_fp8_static": [wide, "none", torch.tensor([0.05], device=device)],
     }
 
 
@@ -1116,7 +1140,8 @@ def results(op, args):
 # The ops without a float64 form (FP8 has no float64 meaning): their reference is the call
 # in float32 on the CPU, whose math they share.
 FP32_REFERENCE_OPS = {"quantize_fp8", "quantize_fp8_static", "rms_norm_fp8", "rms_norm_fp8_static", "adaln_fp8",
-                      "adaln_fp8_static"}
+                      "adaln_fp8_static", "gated_residual_adaln_fp8", "gated_residual_adaln_fp8_static", "gelu_fp8",
+                      "gelu_fp8_static", "gelu_mul_fp8", "gelu_mul_fp8_static", "geglu_fp8", "geglu_fp8_static"}
 
 
 def in_float64(op, args):
@@ -1312,7 +1337,8 @@ def test_every_registered_op_without_a_backward_refuses_double_backward(kernel, 
             continue
         args = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in samples[name]]
         if name in FP32_REFERENCE_OPS:  # FP8 outputs: the call itself refuses (test_fp8.py)
-            with pytest.raises(RuntimeError, match=rf"^{name}: input requires grad, but FP8 outputs are not "
+            first = op._schema.arguments[0].name  # the first argument that requires grad, named
+            with pytest.raises(RuntimeError, match=rf"^{name}: {first} requires grad, but FP8 outputs are not "
                                "differentiable"):
                 op(*args)
             continue

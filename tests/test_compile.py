@@ -52,6 +52,15 @@ def _cases(device):
         "rms_norm_fp8_static": (x, w.float(), 1e-6, 1.0, True, torch.tensor([0.1], device=device)),
         "adaln_fp8": (x, mod, mod.clone(), 1e-6, "layer"),
         "adaln_fp8_static": (x, mod, mod.clone(), 1e-6, "rms", torch.tensor([0.1], device=device)),
+        "gated_residual_adaln_fp8": (x, x.clone(), mod, mod.clone(), mod.clone(), 1e-6, "layer"),
+        "gated_residual_adaln_fp8_static": (x, x.clone(), mod, mod.clone(), mod.clone(), 1e-6, "rms",
+                                            torch.tensor([0.1], device=device)),
+        "gelu_fp8": (x, "tanh"),
+        "gelu_fp8_static": (x, "none", torch.tensor([0.1], device=device)),
+        "gelu_mul_fp8": (x, x.clone(), "none"),
+        "gelu_mul_fp8_static": (x, x.clone(), "tanh", torch.tensor([0.1], device=device)),
+        "geglu_fp8": (x, "tanh"),
+        "geglu_fp8_static": (x, "none", torch.tensor([0.1], device=device)),
         # Backward ops, and functional ops on inputs that require grad (opcheck then also
         # checks that their autograd formula is registered).
         "rms_norm_backward": (x, x.clone(), w, 1e-6, 0.0, False, None),

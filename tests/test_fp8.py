@@ -1,4 +1,5 @@
-"""The FP8 producers (quantize_fp8, rms_norm_fp8, adaln_fp8): q and scales bit for bit against a PyTorch
+"""The FP8 producers (quantize_fp8, rms_norm_fp8, adaln_fp8, gated_residual_adaln_fp8, gelu_fp8,
+gelu_mul_fp8, geglu_fp8): q and scales bit for bit against a PyTorch
 quantizer applied to the op's fp32 result, the dequantized rows within one e4m3 step of an
 fp64 path, edge rows, static scales, torch._scaled_mm on the outputs, refusals, and the fake
 implementations under torch.compile."""
@@ -182,6 +183,131 @@ def test_adaln_fp8_refusals(kernel, fp8_device):
         kernel.adaln_fp8(x, mod.clone().requires_grad_(), mod)
 
 
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ADALN_CASES, ids=str)
+def test_gated_residual_adaln_fp8(kernel, fp8_device, case, dtype, norm):
+    """h is gated_residual_adaln's sum bit for bit; q and scales quantize the AdaLN of h in
+    fp32: gated_residual_adaln's own output for fp32 rows (an fp32 rounding changes no bit),
+    adaln of h in fp32 on the CPU (its twin normalises the rounded sum so), and within one
+    e4m3 step of fp64 everywhere."""
+    x_shape, mod_shape = case
+    residual, x = make(x_shape, dtype, fp8_device) + 0.5, make(x_shape, dtype, fp8_device)
+    gate, scale, shift = (make(mod_shape, dtype, fp8_device, 0.3) for _ in range(3))
+    h, q, scales = kernel.gated_residual_adaln_fp8(residual, x, gate, scale, shift, 1e-6, norm=norm)
+    want_h, out = kernel.gated_residual_adaln(residual, x, gate, scale, shift, 1e-6, norm=norm)
+    assert_bits(h, want_h)
+    assert q.dtype == FP8 and q.is_contiguous() and q.shape == x.shape and scales.shape == (*x.shape[:-1], 1)
+    y = out if dtype == torch.float32 else adaln_fp32(kernel, fp8_device, dtype, h, scale, shift, 1e-6, norm)
+    if y is not None:
+        want_q, want_scales = reference_quantize(y)
+        assert_bits(q, want_q)
+        assert_bits(scales, want_scales)
+    assert_within_one_step(q, scales, adaln64(h, scale, shift, 1e-6, norm))
+    fixed = torch.tensor([0.01], device=fp8_device)
+    h_static, q_static, s = kernel.gated_residual_adaln_fp8(residual, x, gate, scale, shift, 1e-6, norm=norm,
+                                                            fp8_scale=fixed)
+    assert s is fixed
+    assert_bits(h_static, want_h)
+    if y is not None:
+        assert_bits(q_static, reference_quantize(y, fixed)[0])
+
+
+def gelu64(x, approximate):
+    """GELU in fp64."""
+    x = x.double()
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+# (form, x's shape): the forms' own last dims (geglu's rows are half of x's), a long row (the
+# CUDA kernel's re-read vectors), an odd width (scalar path), 3-D.
+GELU_CASES = [("gelu", (9, 7)), ("gelu", (33, 1000)), ("gelu", (2, 3, 8192)), ("gelu", (3, 40960)),
+              ("gelu_mul", (5, 96)), ("gelu_mul", (4, 3, 2048)), ("gelu_mul", (2, 30000)),
+              ("geglu", (6, 2 * 64)), ("geglu", (3, 2, 2 * 1024)), ("geglu", (3, 2 * 7))]
+
+
+def gelu_call(kernel, form, x, up, approximate, scale=None):
+    """The form's FP8 producer and its 16-bit op, on (x, up)."""
+    if form == "gelu":
+        return kernel.gelu_fp8(x, approximate, scale=scale), kernel.gelu(x, approximate)
+    if form == "gelu_mul":
+        return kernel.gelu_mul_fp8(x, up, approximate, scale=scale), kernel.gelu_mul(x, up, approximate)
+    return kernel.geglu_fp8(x, approximate, scale=scale), kernel.geglu(x, approximate)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GELU_CASES, ids=str)
+def test_gelu_fp8(kernel, fp8_device, case, dtype, approximate):
+    """q and scales quantize the GELU op's fp32 value, which the op itself returns for fp32
+    input (the same formulas; the input converts exactly), bit for bit; within one e4m3 step
+    of fp64."""
+    form, shape = case
+    x = make(shape, dtype, fp8_device)
+    up = make(shape, dtype, fp8_device) if form == "gelu_mul" else None
+    (q, scales), _ = gelu_call(kernel, form, x, up, approximate)
+    _, y = gelu_call(kernel, form, x.float(), None if up is None else up.float(), approximate)
+    assert q.dtype == FP8 and q.is_contiguous() and q.shape == y.shape and scales.shape == (*y.shape[:-1], 1)
+    want_q, want_scales = reference_quantize(y)
+    assert_bits(q, want_q)
+    assert_bits(scales, want_scales)
+    if form == "gelu":
+        y64 = gelu64(x, approximate)
+    elif form == "gelu_mul":
+        y64 = gelu64(x, approximate) * up.double()
+    else:
+        value, gate = x.double().chunk(2, -1)
+        y64 = value * gelu64(gate, approximate)
+    assert_within_one_step(q, scales, y64)
+    fixed = torch.tensor([0.02], device=fp8_device)
+    (q_static, s), _ = gelu_call(kernel, form, x, up, approximate, fixed)
+    assert s is fixed
+    assert_bits(q_static, reference_quantize(y, fixed)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_fp8_strided_and_misaligned(kernel, fp8_device, dtype):
+    """gate and up as slices of one fused projection (rows of one stride), and one element off
+    16-byte alignment (the scalar path on CUDA), as gelu_mul computes them."""
+    base = make((2, 5, 4 * 64), dtype, fp8_device)
+    for gate, up in ((base[..., :64], base[..., 64:128]),
+                     (base.flatten()[1:1 + 640].view(2, 5, 64), base.flatten()[700:1340].view(2, 5, 64))):
+        q, scales = kernel.gelu_mul_fp8(gate, up, "tanh")
+        want_q, want_scales = reference_quantize(kernel.gelu_mul(gate.float(), up.float(), "tanh"))
+        assert_bits(q, want_q)
+        assert_bits(scales, want_scales)
+
+
+def test_gelu_fp8_refusals(kernel, fp8_device):
+    x = make((2, 3, 32), torch.bfloat16, fp8_device)
+    with pytest.raises(RuntimeError, match=r"^gelu_fp8: input has dtype Double; expected float32"):
+        kernel.gelu_fp8(x.double())
+    with pytest.raises(RuntimeError, match=r'^gelu_fp8: approximate must be "none" or "tanh", got "erf"'):
+        kernel.gelu_fp8(x, "erf")
+    with pytest.raises(RuntimeError, match=r"^gelu_mul_fp8: gate has dtype Double"):
+        kernel.gelu_mul_fp8(x.double(), x.double())
+    with pytest.raises(RuntimeError, match=r"^gelu_mul_fp8: up has dtype Float but gate has dtype BFloat16"):
+        kernel.gelu_mul_fp8(x, x.float())
+    with pytest.raises(RuntimeError, match=r"^gelu_mul_fp8: up has sizes \[2, 3, 16\] but expected \[2, 3, 32\]"):
+        kernel.gelu_mul_fp8(x, x[..., :16])
+    with pytest.raises(RuntimeError, match=r"^gelu_mul_fp8: up must be contiguous in its last dim"):
+        kernel.gelu_mul_fp8(x[0], x[1].t().contiguous().t())
+    with pytest.raises(RuntimeError, match=r"^geglu_fp8: input's last dim must be even"):
+        kernel.geglu_fp8(x[..., :31])
+    with pytest.raises(RuntimeError, match=r"^geglu_fp8_static: scale must be a float32 tensor of one element"):
+        kernel.geglu_fp8(x, scale=torch.ones(2, device=fp8_device))
+    with pytest.raises(RuntimeError, match=r"^gelu_mul_fp8_static: scale is on meta but gate is on"):
+        kernel.gelu_mul_fp8(x, x, scale=torch.ones(1, device="meta"))
+    with pytest.raises(RuntimeError, match=r"^gelu_mul_fp8: up requires grad, but FP8 outputs"):
+        kernel.gelu_mul_fp8(x, x.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match=r"^gated_residual_adaln_fp8: residual has dtype Float; expected BFloat16"):
+        kernel.gated_residual_adaln_fp8(x.float(), x, x[:, :1], x[:, :1], x[:, :1])
+    with pytest.raises(RuntimeError, match=r"^gated_residual_adaln_fp8: gate requires grad, but FP8 outputs"):
+        kernel.gated_residual_adaln_fp8(x, x, x[:, :1].clone().requires_grad_(), x[:, :1], x[:, :1])
+
+
 def edge_rows(device):
     """fp32 rows of 64: zero, one huge value (saturation, the rest underflows), NaN, inf,
     fp32 subnormals (amax below 1e-12), e4m3 subnormals beside a large value, -0.0."""
@@ -263,7 +389,8 @@ def test_static_scale(kernel, fp8_device, dtype):
 def test_empty_inputs(kernel, fp8_device, dtype):
     for shape in ((0, 16), (3, 0), (2, 0, 8)):
         x = torch.empty(shape, device=fp8_device, dtype=dtype)
-        for q, scales in (kernel.quantize_fp8(x), kernel.rms_norm_fp8(x, None, 1e-6)):
+        for q, scales in (kernel.quantize_fp8(x), kernel.rms_norm_fp8(x, None, 1e-6), kernel.gelu_fp8(x),
+                          kernel.gelu_mul_fp8(x, x)):
             assert q.shape == shape and q.dtype == FP8 and scales.shape == (*shape[:-1], 1)
             assert bool((scales == 1e-12 / E4M3_MAX).all())  # rows of no elements: amax 0
 
@@ -358,7 +485,10 @@ def test_compiled_shapes_and_dtypes(kernel, device, static):
         q1, s1 = kernel.quantize_fp8(x, scale)
         q2, s2 = kernel.rms_norm_fp8(x, w, 1e-6, scale=scale)
         q3, s3 = kernel.adaln_fp8(x, w, w, 1e-6, norm="rms", fp8_scale=scale)
-        return q1, s1, q2, s2, q3, s3
+        h, q4, s4 = kernel.gated_residual_adaln_fp8(x, x, w, w, w, 1e-6, norm="layer", fp8_scale=scale)
+        q5, s5 = kernel.gelu_mul_fp8(x, x, "tanh", scale=scale)
+        q6, s6 = kernel.geglu_fp8(x, "none", scale=scale)
+        return q1, s1, q2, s2, q3, s3, h, q4, s4, q5, s5, q6, s6
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
@@ -379,7 +509,13 @@ def test_fake_outputs_match_real(kernel, device):
              lambda x, w, s: kernel.ops.rms_norm_fp8(x, w, 1e-6, 0.0, False),
              lambda x, w, s: kernel.ops.rms_norm_fp8_static(x, w, 1e-6, 1.0, True, s),
              lambda x, w, s: kernel.ops.adaln_fp8(x, w, w, 1e-6, "layer"),
-             lambda x, w, s: kernel.ops.adaln_fp8_static(x, w, w, 1e-6, "rms", s)]
+             lambda x, w, s: kernel.ops.adaln_fp8_static(x, w, w, 1e-6, "rms", s),
+             lambda x, w, s: kernel.ops.gated_residual_adaln_fp8(x, x, w, w, w, 1e-6, "rms"),
+             lambda x, w, s: kernel.ops.gated_residual_adaln_fp8_static(x, x, w, w, w, 1e-6, "layer", s),
+             lambda x, w, s: kernel.ops.gelu_fp8(x, "tanh"), lambda x, w, s: kernel.ops.gelu_fp8_static(x, "none", s),
+             lambda x, w, s: kernel.ops.gelu_mul_fp8(x, x, "none"),
+             lambda x, w, s: kernel.ops.gelu_mul_fp8_static(x, x, "tanh", s),
+             lambda x, w, s: kernel.ops.geglu_fp8(x, "tanh"), lambda x, w, s: kernel.ops.geglu_fp8_static(x, "none", s)]
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fakes = [mode.from_tensor(t) for t in (x, w, scale)]
         fake_results = [call(*fakes) for call in calls]

@@ -1,7 +1,8 @@
 """FP8Linear (a linear layer as an FP8 GEMM: the weight quantized once per output channel,
-the input per row by quantize_fp8, torch._scaled_mm) against the fp64 GEMM of the
-dequantized operands, and kernelize_diffusers(fp8=True) on a small LTX-Video transformer:
-what it converts, its output against the stock model, unkernelize, and what it refuses."""
+the input per row by quantize_fp8 or given as a producer's FP8Rows, torch._scaled_mm)
+against the fp64 GEMM of the dequantized operands, and kernelize_diffusers(fp8=True) on a
+small LTX-Video transformer: what it converts, the producers that feed it, its output
+against the stock model, hooks that keep it 16-bit, unkernelize, and what it refuses."""
 
 import copy
 
@@ -64,6 +65,31 @@ def test_fp8_linear_is_the_gemm_of_its_quantized_operands(device, dtype, bias):
         assert torch.equal(layer(xt), layer(xt.contiguous()))
         xe = x[:, :1].expand(2, 5, 64)
         assert torch.equal(layer(xe), layer(xe.contiguous()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_linear_takes_a_producers_rows(device):
+    """FP8Rows a producer wrote go to the GEMM as they are: the rows quantize_fp8 makes of x
+    give the layer's own result bit for bit; rows of another producer (gelu_fp8) give the
+    GEMM of their dequantized values."""
+    fp8_device(device)
+    torch.manual_seed(0)
+    layer = lki.FP8Linear(torch.nn.Linear(64, 48).to(device=device, dtype=BF16))
+    x = torch.randn(2, 5, 64, device=device, dtype=BF16)
+    with torch.no_grad():
+        assert torch.equal(layer(lki.FP8Rows(*lki.quantize_fp8(x), BF16)), layer(x))
+        q, s = lki.gelu_fp8(x, "tanh")
+        y = layer(lki.FP8Rows(q, s, BF16))
+    assert y.shape == (2, 5, 48) and y.dtype == BF16
+    a = q.reshape(-1, 64).double().cpu() * s.reshape(-1, 1).double().cpu()
+    b = layer.weight_fp8.double().cpu() * layer.weight_scale.double().cpu().t()
+    want = a @ b.t() + layer.bias.double().cpu()
+    err = (y.reshape(-1, 48).double().cpu() - want).abs()
+    assert bool((err <= 2.0**-10 * (a.abs() @ b.abs().t()) + want.abs() * 2.0**-8).all()), err.max()
+    with pytest.raises(TypeError, match=r"FP8Rows take float8_e4m3fn q \[\.\.\., 64\] and float32 scales"):
+        layer(lki.FP8Rows(q, s.reshape(-1), BF16))
+    with pytest.raises(ValueError, match="input of 32 features, the layer takes 64"):
+        layer(lki.FP8Rows(q[..., :32], s, BF16))
 
 
 def test_fp8_linear_keeps_its_dtypes_through_a_model_cast():
@@ -132,6 +158,63 @@ def test_kernelize_diffusers_fp8_ltx(device, fused):
     assert not any(isinstance(m, lki.FP8Linear) for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(**inputs, return_dict=False)[0].float(), want)
+
+
+def producer_calls(monkeypatch):
+    """Counts of the FP8 producers the kernelized blocks call."""
+    calls = {}
+    for name in ("adaln_fp8", "gated_residual_adaln_fp8", "gelu_fp8", "geglu_fp8"):
+        def counted(*args, _name=name, _op=getattr(lki.layers, name), **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _op(*args, **kwargs)
+        monkeypatch.setattr(lki.layers, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ltx_blocks_feed_fp8_rows_to_the_projections(device, monkeypatch):
+    """Kernelized with fp8=True, each LTX block writes attn1's input with adaln_fp8 and the
+    feed-forward's two inputs with gated_residual_adaln_fp8 and gelu_fp8 (tanh, LTX's
+    feed-forward): the projections read FP8 rows, no 16-bit copy in between. The output
+    stays within the FP8 bound of stock's, and no further from it than the path that
+    quantizes each projection's 16-bit input itself (within 10%)."""
+    fp8_device(device)
+    model = small_ltx(device, BF16)
+    stock, separate = copy.deepcopy(model), copy.deepcopy(model)
+    inputs = ltx_inputs(device, BF16)
+    lki.kernelize_diffusers(model, fp8=True)
+    lki.convert_linears_to_fp8(separate)  # FP8 GEMMs, each quantizing its 16-bit input
+    calls = producer_calls(monkeypatch)
+    with torch.no_grad():
+        want = stock(**inputs, return_dict=False)[0].float()
+        got = model(**inputs, return_dict=False)[0].float()
+        unfused = separate(**inputs, return_dict=False)[0].float()
+    assert calls == {"adaln_fp8": 2, "gated_residual_adaln_fp8": 2, "gelu_fp8": 2}
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < LTX_FP8_REL_L2, rel
+    rel_unfused = ((unfused - want).norm() / want.norm()).item()
+    assert rel <= 1.1 * rel_unfused, (rel, rel_unfused)  # quantizing fp32 values, not their bf16 roundings
+
+
+@pytest.mark.parametrize("hooked", ["attn1", "attn1.to_k", "ff.net.2", "ff"])
+def test_hooks_keep_their_modules_16bit_inputs(hooked, monkeypatch):
+    """A hook of another library on attn1, a projection or the feed-forward sees what it
+    would see without FP8 producers: a 16-bit tensor, the producer before it not called."""
+    model = small_ltx("cpu", BF16)
+    inputs = ltx_inputs("cpu", BF16)
+    lki.kernelize_diffusers(model, fp8=True)
+    seen = []
+    module = model.transformer_blocks[0].get_submodule(hooked)
+    module.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(type(args[0] if args else kwargs["hidden_states"])), with_kwargs=True)
+    calls = producer_calls(monkeypatch)
+    with torch.no_grad():
+        model(**inputs, return_dict=False)
+    assert seen == [torch.Tensor]
+    attn_rows = 0 if hooked.startswith("attn1") else 1
+    ff_rows = 0 if hooked.startswith("ff") else 1
+    assert calls.get("adaln_fp8", 0) == 1 + attn_rows
+    assert calls.get("gated_residual_adaln_fp8", 0) == calls.get("gelu_fp8", 0) == 1 + ff_rows
 
 
 def test_kernelize_diffusers_fp8_refusals():

@@ -81,6 +81,16 @@ LTX_OP(rms_norm_fp8, Tensors2(const Tensor&, const optional<Tensor>&, double, do
 LTX_OP(rms_norm_fp8_static, Tensor(const Tensor&, const optional<Tensor>&, double, double, bool, const Tensor&))
 LTX_OP(adaln_fp8, Tensors2(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view))
 LTX_OP(adaln_fp8_static, Tensor(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view, const Tensor&))
+LTX_OP(gated_residual_adaln_fp8, Tensors3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                          double, c10::string_view))
+LTX_OP(gated_residual_adaln_fp8_static, Tensors2(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                 const Tensor&, double, c10::string_view, const Tensor&))
+LTX_OP(gelu_fp8, Tensors2(const Tensor&, c10::string_view))
+LTX_OP(gelu_fp8_static, Tensor(const Tensor&, c10::string_view, const Tensor&))
+LTX_OP(gelu_mul_fp8, Tensors2(const Tensor&, const Tensor&, c10::string_view))
+LTX_OP(gelu_mul_fp8_static, Tensor(const Tensor&, const Tensor&, c10::string_view, const Tensor&))
+LTX_OP(geglu_fp8, Tensors2(const Tensor&, c10::string_view))
+LTX_OP(geglu_fp8_static, Tensor(const Tensor&, c10::string_view, const Tensor&))
 // The ops that write into given tensors (Tensor&: the schema's Tensor!).
 LTX_OP(rms_norm_out, void(Tensor&, const Tensor&, const optional<Tensor>&, double, double, bool))
 LTX_OP(fused_add_rms_norm_out,
@@ -586,5 +596,13 @@ void register_autograd_kernels(torch::Library& ops) {
   LTX_REFUSES_GRAD(rms_norm_fp8_static);
   LTX_REFUSES_GRAD(adaln_fp8);
   LTX_REFUSES_GRAD(adaln_fp8_static);
+  LTX_REFUSES_GRAD(gated_residual_adaln_fp8);
+  LTX_REFUSES_GRAD(gated_residual_adaln_fp8_static);
+  LTX_REFUSES_GRAD(gelu_fp8);
+  LTX_REFUSES_GRAD(gelu_fp8_static);
+  LTX_REFUSES_GRAD(gelu_mul_fp8);
+  LTX_REFUSES_GRAD(gelu_mul_fp8_static);
+  LTX_REFUSES_GRAD(geglu_fp8);
+  LTX_REFUSES_GRAD(geglu_fp8_static);
 #undef LTX_REFUSES_GRAD
 }

@@ -249,6 +249,50 @@ Tensor adaln_fp8_static(const Tensor& input, const Tensor& scale, const Tensor& 
 }
 
 template <class B>
+std::tuple<Tensor, Tensor, Tensor> gated_residual_adaln_fp8(const Tensor& residual, const Tensor& input,
+                                                            const Tensor& gate, const Tensor& scale, const Tensor& shift,
+                                                            double eps, c10::string_view norm) {
+  return ltx::gated_residual_adaln_fp8<B>(residual, input, gate, scale, shift, eps, std::string(norm));
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> gated_residual_adaln_fp8_static(const Tensor& residual, const Tensor& input,
+                                                           const Tensor& gate, const Tensor& scale, const Tensor& shift,
+                                                           double eps, c10::string_view norm, const Tensor& fp8_scale) {
+  return ltx::gated_residual_adaln_fp8_static<B>(residual, input, gate, scale, shift, eps, std::string(norm), fp8_scale);
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> gelu_fp8(const Tensor& input, c10::string_view approximate) {
+  return ltx::gelu_fp8<B>(input, std::string(approximate));
+}
+
+template <class B>
+Tensor gelu_fp8_static(const Tensor& input, c10::string_view approximate, const Tensor& scale) {
+  return ltx::gelu_fp8_static<B>(input, std::string(approximate), scale);
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> gelu_mul_fp8(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  return ltx::gelu_mul_fp8<B>(gate, up, std::string(approximate));
+}
+
+template <class B>
+Tensor gelu_mul_fp8_static(const Tensor& gate, const Tensor& up, c10::string_view approximate, const Tensor& scale) {
+  return ltx::gelu_mul_fp8_static<B>(gate, up, std::string(approximate), scale);
+}
+
+template <class B>
+std::tuple<Tensor, Tensor> geglu_fp8(const Tensor& input, c10::string_view approximate) {
+  return ltx::geglu_fp8<B>(input, std::string(approximate));
+}
+
+template <class B>
+Tensor geglu_fp8_static(const Tensor& input, c10::string_view approximate, const Tensor& scale) {
+  return ltx::geglu_fp8_static<B>(input, std::string(approximate), scale);
+}
+
+template <class B>
 void impl_fp8_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("quantize_fp8", device, &ltx::quantize_fp8<B>);
   ops.impl("quantize_fp8_static", device, &ltx::quantize_fp8_static<B>);
@@ -256,6 +300,14 @@ void impl_fp8_ops(torch::Library& ops, c10::DeviceType device) {
   ops.impl("rms_norm_fp8_static", device, &ltx::rms_norm_fp8_static<B>);
   ops.impl("adaln_fp8", device, &adaln_fp8<B>);
   ops.impl("adaln_fp8_static", device, &adaln_fp8_static<B>);
+  ops.impl("gated_residual_adaln_fp8", device, &gated_residual_adaln_fp8<B>);
+  ops.impl("gated_residual_adaln_fp8_static", device, &gated_residual_adaln_fp8_static<B>);
+  ops.impl("gelu_fp8", device, &gelu_fp8<B>);
+  ops.impl("gelu_fp8_static", device, &gelu_fp8_static<B>);
+  ops.impl("gelu_mul_fp8", device, &gelu_mul_fp8<B>);
+  ops.impl("gelu_mul_fp8_static", device, &gelu_mul_fp8_static<B>);
+  ops.impl("geglu_fp8", device, &geglu_fp8<B>);
+  ops.impl("geglu_fp8_static", device, &geglu_fp8_static<B>);
 }
 
 template <class B>
@@ -344,6 +396,17 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("adaln_fp8(Tensor input, Tensor scale, Tensor shift, float eps, str norm) -> (Tensor, Tensor)");
   ops.def("adaln_fp8_static(Tensor input, Tensor scale, Tensor shift, float eps, str norm, Tensor fp8_scale) "
           "-> Tensor");
+  // gated_residual_adaln's sum (input dtype), then its normed output as FP8.
+  ops.def("gated_residual_adaln_fp8(Tensor residual, Tensor input, Tensor gate, Tensor scale, Tensor shift, "
+          "float eps, str norm) -> (Tensor, Tensor, Tensor)");
+  ops.def("gated_residual_adaln_fp8_static(Tensor residual, Tensor input, Tensor gate, Tensor scale, Tensor shift, "
+          "float eps, str norm, Tensor fp8_scale) -> (Tensor, Tensor)");
+  ops.def("gelu_fp8(Tensor input, str approximate) -> (Tensor, Tensor)");
+  ops.def("gelu_fp8_static(Tensor input, str approximate, Tensor scale) -> Tensor");
+  ops.def("gelu_mul_fp8(Tensor gate, Tensor up, str approximate) -> (Tensor, Tensor)");
+  ops.def("gelu_mul_fp8_static(Tensor gate, Tensor up, str approximate, Tensor scale) -> Tensor");
+  ops.def("geglu_fp8(Tensor input, str approximate) -> (Tensor, Tensor)");
+  ops.def("geglu_fp8_static(Tensor input, str approximate, Tensor scale) -> Tensor");
 
   register_autograd_kernels(ops);
 

@@ -1,9 +1,10 @@
-"""The FP8 producers (quantize_fp8, rms_norm_fp8, adaln_fp8) against the PyTorch code a user
-writes for the same (q, per-row scales), eager and under torch.compile, on a CUDA GPU of
-compute capability 8.9 or newer: kernel time by CUDA-graph replay with inputs rotated past
-L2 (harness.py), % of the copy bandwidth measured in the same run (bytes: 16-bit rows in,
-one byte an element and an fp32 scale a row out), and whether each peer's q and scales
-equal ours bit for bit. Then the projection GEMMs of LTX-Video 2B (2 x 2688 tokens at 49
+"""The FP8 producers (quantize_fp8, rms_norm_fp8, adaln_fp8, gated_residual_adaln_fp8,
+gelu_fp8) against the PyTorch code a user writes for the same (q, per-row scales), eager and
+under torch.compile, on a CUDA GPU of compute capability 8.9 or newer: kernel time by
+CUDA-graph replay with inputs rotated past L2 (harness.py), % of the copy bandwidth
+measured in the same run (bytes: 16-bit rows in, one byte an element and an fp32 scale a
+row out, and the gated residual's 16-bit sum), and whether each peer's q and scales equal
+ours bit for bit. Then the projection GEMMs of LTX-Video 2B (2 x 2688 tokens at 49
 frames, 2 x 8064 at 161): bf16 ``F.linear`` against ``torch._scaled_mm`` on FP8 operands with
 row-wise scales, standard and fast accumulation, and `FP8Linear` (its input's quantize
 included), each output's relative L2 from the bf16 GEMM beside it.
@@ -22,7 +23,9 @@ from benchmarks.tuning.variants_build import time_and_print
 REPO = Path(__file__).resolve().parents[2]
 FP8, E4M3_MAX = torch.float8_e4m3fn, 448.0
 # (op, shape): LTX-Video 2B's tokens (batch 2, 49 frames at 512x768) and an LLM prefill
+# (its feed-forward's 8192 wide GELU too)
 SHAPES = [("quantize_fp8", (2, 21504, 2048)), ("rms_norm_fp8", (2, 21504, 2048)), ("adaln_fp8", (2, 21504, 2048)),
+          ("gated_residual_adaln_fp8", (2, 21504, 2048)), ("gelu_fp8", (2, 21504, 8192)),
           ("quantize_fp8", (8192, 4096)), ("rms_norm_fp8", (8192, 4096)), ("quantize_fp8", (2, 21504, 8192))]
 # (M tokens, N out, K in): LTX-Video 2B's attention projections (q, k, v, out; fused qkv) and
 # feed-forward (up, down), at 49 and 161 frames with CFG
@@ -36,15 +39,34 @@ def quantize(y):
 
 
 def torch_impl(op):
+    """The PyTorch code for the op's (q, scales) (and the gated residual's sum)."""
     if op == "quantize_fp8":
         return lambda x: quantize(x.float())
     if op == "rms_norm_fp8":
         return lambda x, w: quantize(torch.nn.functional.rms_norm(x.float(), x.shape[-1:], w.float(), 1e-6))
+    if op == "gelu_fp8":
+        return lambda x: quantize(torch.nn.functional.gelu(x.float(), approximate="tanh"))
 
     def adaln(x, scale, shift):
         n = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], None, 1e-6)
         return quantize(n * (1 + scale.float()) + shift.float())
-    return adaln
+    if op == "adaln_fp8":
+        return adaln
+
+    def gated_residual_adaln(residual, x, gate, scale, shift):
+        h = (residual.float() + x.float() * gate.float()).to(x.dtype)
+        return (h, *adaln(h, scale, shift))
+    return gated_residual_adaln
+
+
+def ltx_impl(ltx, op):
+    if op == "adaln_fp8":
+        return lambda x, sc, sh: ltx.adaln_fp8(x, sc, sh, 1e-6, norm="rms")
+    if op == "gated_residual_adaln_fp8":
+        return lambda r, x, g, sc, sh: ltx.gated_residual_adaln_fp8(r, x, g, sc, sh, 1e-6, norm="rms")
+    if op == "gelu_fp8":
+        return lambda x: ltx.gelu_fp8(x, "tanh")
+    return getattr(ltx, op)
 
 
 def main():
@@ -64,26 +86,33 @@ def main():
 
         def inputs():
             x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-            if op == "quantize_fp8":
+            if op in ("quantize_fp8", "gelu_fp8"):
                 return (x,)
             if op == "rms_norm_fp8":
                 return x, 1 + 0.1 * torch.randn(d, device="cuda", dtype=torch.bfloat16)
-            return x, 0.1 * torch.randn(shape[0], 1, d, device="cuda", dtype=torch.bfloat16), \
-                0.1 * torch.randn(shape[0], 1, d, device="cuda", dtype=torch.bfloat16)
+            mod = [0.1 * torch.randn(shape[0], 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            if op == "adaln_fp8":
+                return x, *mod[:2]
+            return torch.randn_like(x), x, *mod  # gated_residual_adaln_fp8
 
         first = inputs()
-        rows = first[0].numel() // d
-        nbytes = 3 * first[0].numel() + 4 * rows  # 2 bytes in, 1 out an element; a scale a row
-        sets = [first] + [inputs() for _ in range(harness.copies_for_cold_l2(2 * first[0].numel()) - 1)]
-        ours = getattr(ltx, op) if op != "adaln_fp8" else (lambda x, sc, sh: ltx.adaln_fp8(x, sc, sh, 1e-6, norm="rms"))
+        elements = first[0].numel()
+        rows = elements // d
+        # 2 bytes in, 1 out an element, a scale a row; the gated residual reads two rows and
+        # writes its sum
+        per_element = 7 if op == "gated_residual_adaln_fp8" else 3
+        nbytes = per_element * elements + 4 * rows
+        input_bytes = (4 if op == "gated_residual_adaln_fp8" else 2) * elements
+        sets = [first] + [inputs() for _ in range(harness.copies_for_cold_l2(input_bytes) - 1)]
+        ours = ltx_impl(ltx, op)
         eager = torch_impl(op)
         compiled = torch.compile(eager, dynamic=False, fullgraph=True)
         impls = [("compile", lambda t, f=compiled: (lambda: f(*t))), ("eager", lambda t, f=eager: (lambda: f(*t))),
                  ("ltx", lambda t: (lambda: ours(*t)))]
-        q, s = ours(*first)
+        q, s = ours(*first)[-2:]
         notes = {}
         for name, factory in impls[:2]:
-            pq, ps = factory(first)()
+            pq, ps = factory(first)()[-2:]
             same = torch.equal(pq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ps, s)
             notes[name] = "  same bits as ltx" if same else \
                 f"  differs from ltx: {(pq.view(torch.uint8) != q.view(torch.uint8)).float().mean().item():.2e} of q"

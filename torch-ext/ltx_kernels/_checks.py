@@ -736,21 +736,46 @@ def fp8_capability(device: Optional[str], op: str) -> None:
           f"{major}.{minor})")
 
 
-def fp8_input(device: Optional[str], x: torch.Tensor, op: str) -> None:
+def fp8_input(device: Optional[str], x: torch.Tensor, op: str, arg: str = "input") -> None:
     """fp8_detail::check_input: device, the GPU's capability, dtype (no float64), rank."""
-    check_device(x, device, op, "input")
+    check_device(x, device, op, arg)
     fp8_capability(device, op)
-    check(x.dtype in FLOAT_TYPES, lambda: f"{op}: input has dtype {scalar_type_name(x.dtype)}; expected float32, "
+    check(x.dtype in FLOAT_TYPES, lambda: f"{op}: {arg} has dtype {scalar_type_name(x.dtype)}; expected float32, "
           "float16 or bfloat16")
-    check(x.dim() >= 1, lambda: f"{op}: input must have at least 1 dim, got a 0-dim tensor")
+    check(x.dim() >= 1, lambda: f"{op}: {arg} must have at least 1 dim, got a 0-dim tensor")
     check(x.shape[-1] <= INT32_MAX, lambda: f"{op}: last dim {x.shape[-1]} is too large (at most 2^31 - 1)")
 
 
-def fp8_static_scale(scale: torch.Tensor, x: torch.Tensor, op: str, arg: str = "scale") -> None:
-    check_same_device(scale, x, op, arg, "input")
+def fp8_static_scale(scale: torch.Tensor, x: torch.Tensor, op: str, arg: str = "scale",
+                     input_arg: str = "input") -> None:
+    check_same_device(scale, x, op, arg, input_arg)
     check(all_of(scale.dtype == torch.float32, scale.numel() == 1),
           lambda: f"{op}: {arg} must be a float32 tensor of one element (the whole tensor's scale), got "
           f"{scalar_type_name(scale.dtype)} of sizes {sizes(scale.shape)}")
+
+
+def gelu_fp8(device, op: str, gate, up, approximate: str, scale, gate_arg: str) -> None:
+    """fp8_detail::gelu_fp8: gate as an FP8 input, the GELU form, up, the static scale."""
+    fp8_input(device, gate, op, gate_arg)
+    parse_gelu(approximate, op)
+    if up is not None:
+        check_same_device(up, gate, op, "up", gate_arg)
+        check(up.dtype == gate.dtype, lambda: f"{op}: up has dtype {scalar_type_name(up.dtype)} but {gate_arg} has "
+              f"dtype {scalar_type_name(gate.dtype)}")
+        check(same_sizes(up.shape, gate.shape),
+              lambda: f"{op}: up has sizes {sizes(up.shape)} but expected {sizes(gate.shape)}")
+    if scale is not None:
+        fp8_static_scale(scale, gate, op, "scale", gate_arg)
+    row_view(gate, op, gate_arg)
+    if up is not None:
+        row_view(up, op, "up")
+
+
+def geglu_fp8(device, op: str, input, approximate: str, scale) -> None:
+    fp8_input(device, input, op)
+    check_geglu_input(input, op)
+    value, gate = geglu_halves(input)
+    gelu_fp8(device, op, gate, value, approximate, scale, "input")
 
 
 # ---------------------------------------------------------------------------- nested tensors

@@ -1,6 +1,9 @@
 """FP8 producers for ``torch._scaled_mm`` with row-wise scales: ops that compute a row's fp32
 result and write it as ``float8_e4m3fn`` with its fp32 scale, in one op, with their fake
-(meta) implementations for torch.compile beside them.
+(meta) implementations for torch.compile beside them. The norms (`rms_norm_fp8`,
+`adaln_fp8`, `gated_residual_adaln_fp8`) feed attention and feed-forward input projections;
+the GELU family (`gelu_fp8`, `gelu_mul_fp8`, `geglu_fp8`) feeds feed-forward output
+projections; `quantize_fp8` takes any other GEMM input (the attention output).
 
 The math, the same on CPU and CUDA: with ``y`` the op's fp32 row, ``scale = max(amax, 1e-12)
 / 448`` (``amax = max |y|``, NaN when the row holds a NaN) and ``q = float8_e4m3fn(clamp(y /
@@ -76,6 +79,61 @@ def adaln_fp8(
     return ops.adaln_fp8_static(x, scale, shift, eps, norm, fp8_scale), fp8_scale
 
 
+@refuses_nested("gated_residual_adaln_fp8", DENSE_ADVICE)
+def gated_residual_adaln_fp8(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    norm: str = "layer",
+    fp8_scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~ltx_kernels.gated_residual_adaln` with its modulated output written as FP8:
+    ``h = residual + x * gate`` in ``x``'s dtype (as there), and ``norm(h) * (1 + scale) +
+    shift`` in fp32 (the value gated_residual_adaln rounds to ``x.dtype``), quantized per
+    row or by the static ``fp8_scale``. Returns ``(h, q, scales)``; arguments as
+    gated_residual_adaln's."""
+    _check_norm(norm)
+    check_not_bool("gated_residual_adaln_fp8", eps=eps)
+    if fp8_scale is None:
+        return ops.gated_residual_adaln_fp8(residual, x, gate, scale, shift, eps, norm)
+    h, q = ops.gated_residual_adaln_fp8_static(residual, x, gate, scale, shift, eps, norm, fp8_scale)
+    return h, q, fp8_scale
+
+
+@refuses_nested("gelu_fp8", ROWS_ADVICE)
+def gelu_fp8(x: torch.Tensor, approximate: str = "tanh", *,
+             scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~ltx_kernels.gelu` written as FP8: ``gelu(x)`` in fp32 (the value gelu rounds
+    to ``x.dtype``), quantized per row or by the static ``scale``."""
+    if scale is None:
+        return ops.gelu_fp8(x, approximate)
+    return ops.gelu_fp8_static(x, approximate, scale), scale
+
+
+@refuses_nested("gelu_mul_fp8", ROWS_ADVICE)
+def gelu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *,
+                 scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~ltx_kernels.gelu_mul` written as FP8: ``gelu(gate) * up`` in fp32, quantized
+    per row or by the static ``scale``."""
+    if scale is None:
+        return ops.gelu_mul_fp8(gate, up, approximate)
+    return ops.gelu_mul_fp8_static(gate, up, approximate, scale), scale
+
+
+@refuses_nested("geglu_fp8", ROWS_ADVICE)
+def geglu_fp8(x: torch.Tensor, approximate: str = "none", *,
+              scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~ltx_kernels.geglu` written as FP8: ``x[..., :H] * gelu(x[..., H:])`` in fp32,
+    quantized per row (rows of H) or by the static ``scale``."""
+    if scale is None:
+        return ops.geglu_fp8(x, approximate)
+    return ops.geglu_fp8_static(x, approximate, scale), scale
+
+
 # Fake implementations, for torch.compile, FakeTensorMode and meta tensors: the C++ checks
 # (._checks, same messages), then the outputs' metadata.
 
@@ -147,3 +205,73 @@ def _(device, x, scale, shift, eps, norm):
 def _(device, x, scale, shift, eps, norm, fp8_scale):
     return _adaln_fp8(device, x, scale, shift, eps, norm, fp8_scale, "adaln_fp8_static")
 
+
+
+def _gated_residual_adaln_fp8(device, residual, x, gate, scale, shift, eps, norm, fp8_scale, op: str):
+    checks.fp8_input(device, x, op)
+    c = checks.NormChecker(op, x, device)
+    c.check_input()
+    c.batch_tokens()
+    c.like_input(residual, "residual", x.dtype)
+    c.modulation(gate, "gate")
+    checks.parse_norm(norm, op)
+    checks.check_eps(eps, op)
+    c.modulation(scale, "scale")
+    c.modulation(shift, "shift")
+    if fp8_scale is not None:
+        checks.fp8_static_scale(fp8_scale, x, op, "fp8_scale")
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return (h, *_outputs(x, True)) if fp8_scale is None else (h, _outputs(x, False))
+
+
+@register_fake("gated_residual_adaln_fp8")
+def _(device, residual, x, gate, scale, shift, eps, norm):
+    return _gated_residual_adaln_fp8(device, residual, x, gate, scale, shift, eps, norm, None,
+                                     "gated_residual_adaln_fp8")
+
+
+@register_fake("gated_residual_adaln_fp8_static")
+def _(device, residual, x, gate, scale, shift, eps, norm, fp8_scale):
+    h, q = _gated_residual_adaln_fp8(device, residual, x, gate, scale, shift, eps, norm, fp8_scale,
+                                     "gated_residual_adaln_fp8_static")
+    return h, q
+
+
+@register_fake("gelu_fp8")
+def _(device, x, approximate):
+    checks.gelu_fp8(device, "gelu_fp8", x, None, approximate, None, "input")
+    return _outputs(x, True)
+
+
+@register_fake("gelu_fp8_static")
+def _(device, x, approximate, scale):
+    checks.gelu_fp8(device, "gelu_fp8_static", x, None, approximate, scale, "input")
+    return _outputs(x, False)
+
+
+@register_fake("gelu_mul_fp8")
+def _(device, gate, up, approximate):
+    checks.gelu_fp8(device, "gelu_mul_fp8", gate, up, approximate, None, "gate")
+    return _outputs(gate, True)
+
+
+@register_fake("gelu_mul_fp8_static")
+def _(device, gate, up, approximate, scale):
+    checks.gelu_fp8(device, "gelu_mul_fp8_static", gate, up, approximate, scale, "gate")
+    return _outputs(gate, False)
+
+
+def _half(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@register_fake("geglu_fp8")
+def _(device, x, approximate):
+    checks.geglu_fp8(device, "geglu_fp8", x, approximate, None)
+    return _outputs(_half(x), True)
+
+
+@register_fake("geglu_fp8_static")
+def _(device, x, approximate, scale):
+    checks.geglu_fp8(device, "geglu_fp8_static", x, approximate, scale)
+    return _outputs(_half(x), False)

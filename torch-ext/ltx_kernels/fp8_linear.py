@@ -3,7 +3,9 @@
 
 The weight is quantized once, per output channel (its rows, by `quantize_fp8`); each call
 quantizes its input per row (per token) with `quantize_fp8`, one pass over the activations,
-and runs ``torch._scaled_mm`` with both row-wise scales and the bias, in the input's dtype.
+or takes `FP8Rows` a producer already wrote (a norm or GELU op's ``*_fp8`` form, no pass of
+its own), and runs ``torch._scaled_mm`` with both row-wise scales and the bias, in the
+input's dtype.
 Accumulation is fp32 with ``fast_accum=False`` (Hopper's FP8 tensor cores still add in
 fewer bits between its fp32 promotions); ``fast_accum=True`` skips those promotions for
 speed. On CUDA it needs a GPU of compute capability 8.9 or newer and bfloat16 inputs (the
@@ -11,13 +13,13 @@ row-wise scaled GEMM's output type); on the CPU any 16- or 32-bit float input (a
 path: PyTorch's CPU GEMM, not a fast one).
 """
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .fp8 import quantize_fp8
 
-__all__ = ["FP8Linear", "convert_linears_to_fp8", "restore_linears"]
+__all__ = ["FP8Linear", "FP8Rows", "convert_linears_to_fp8", "restore_linears"]
 
 # _scaled_mm takes both GEMM dims in multiples of 16.
 _GEMM_MULTIPLE = 16
@@ -27,6 +29,17 @@ _GEMM_MULTIPLE = 16
 _FP8_PARENTS = ("attn", "attn1", "attn2", "ff", "ff_context")
 _FP8_NAMES = ("proj_mlp", "proj_out")
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+
+
+class FP8Rows(NamedTuple):
+    """Activations a producer wrote as FP8 (`adaln_fp8`, `gated_residual_adaln_fp8`,
+    `gelu_fp8`, ...), as an `FP8Linear` input: ``q`` [..., in] float8_e4m3fn, contiguous,
+    ``scales`` its rows' fp32 scales [..., 1], and ``dtype`` the 16-bit dtype of the
+    activations they stand for (the GEMM's output dtype)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
 
 
 class FP8Linear(torch.nn.Module):
@@ -61,23 +74,36 @@ class FP8Linear(torch.nn.Module):
             self.weight_scale = scale.to(self.weight_scale.device)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Union[torch.Tensor, FP8Rows]) -> torch.Tensor:
+        if isinstance(x, FP8Rows):
+            return self._gemm(x.q, x.scales, x.dtype)
         if x.requires_grad:
             raise RuntimeError("FP8Linear is for inference: its input requires grad (FP8 GEMMs have no "
                                "backward here; run under torch.no_grad() or torch.inference_mode())")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"FP8Linear: input of {x.shape[-1]} features, the layer takes {self.in_features}")
-        if x.device.type == "cuda" and x.dtype != torch.bfloat16:
-            raise TypeError(f"FP8Linear on CUDA takes bfloat16 input (the row-wise scaled GEMM's output), "
-                            f"got {x.dtype}")
+        self._check(x.shape[-1], x.device, x.dtype)
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():  # transposed or expanded views nn.Linear takes
             rows = rows.contiguous()
         q, scales = quantize_fp8(rows)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=scales, scale_b=self.weight_scale, bias=bias,
-                             out_dtype=x.dtype, use_fast_accum=self.fast_accum)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return self._gemm(q, scales, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _check(self, features: int, device: torch.device, dtype: torch.dtype) -> None:
+        if features != self.in_features:
+            raise ValueError(f"FP8Linear: input of {features} features, the layer takes {self.in_features}")
+        if device.type == "cuda" and dtype != torch.bfloat16:
+            raise TypeError(f"FP8Linear on CUDA takes bfloat16 input (the row-wise scaled GEMM's output), "
+                            f"got {dtype}")
+
+    def _gemm(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """q [..., in] times the weight, scaled, plus the bias, in ``dtype``: [..., out]."""
+        self._check(q.shape[-1], q.device, dtype)
+        if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or scales.shape != (*q.shape[:-1], 1):
+            raise TypeError(f"FP8Linear: FP8Rows take float8_e4m3fn q [..., {self.in_features}] and float32 scales "
+                            f"[..., 1], got {q.dtype} {tuple(q.shape)} and {scales.dtype} {tuple(scales.shape)}")
+        bias = None if self.bias is None else self.bias.to(dtype)
+        y = torch._scaled_mm(q.reshape(-1, self.in_features), self.weight_fp8.t(), scale_a=scales.reshape(-1, 1),
+                             scale_b=self.weight_scale, bias=bias, out_dtype=dtype, use_fast_accum=self.fast_accum)
+        return y.reshape(*q.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -19,6 +19,7 @@ classes tagged with ``kernels.replace_kernel_forward_from_hub`` (see the README)
 
 import functools
 import sys
+from types import MethodType
 from typing import Optional, Tuple
 
 import torch
@@ -28,7 +29,8 @@ from . import activations, norms, rope
 from ._autograd import records_grad
 from ._ops import add_op_namespace_prefix
 from .activations import geglu, gelu
-from .fp8_linear import FP8Linear
+from .fp8 import adaln_fp8, gated_residual_adaln_fp8, geglu_fp8, gelu_fp8
+from .fp8_linear import FP8Linear, FP8Rows
 from .norms import adaln, gated_residual, gated_residual_adaln, rms_norm
 from .rope import qk_norm_rope, rope_rotate_half
 
@@ -447,7 +449,13 @@ class LTXVideoTransformerBlock(nn.Module):
     kernelized or not on its own. The ada values are the host's expression (bit-identical).
     The fused steps compute in fp32 and round once where the host rounds the norm, the
     product and the sum in the model dtype. Affine norms, or ada values of another dtype
-    than the hidden states, go to the host's forward."""
+    than the hidden states, go to the host's forward.
+
+    With FP8 linears (``kernelize_diffusers(fp8=True)``) the producers write FP8 for them,
+    their fp32 values quantized in the same pass, where nothing else reads those
+    activations: `adaln_fp8` for attn1's q/k/v projections (when attn1 is this package's
+    layer with its stock processor, and nothing hooks it), `gated_residual_adaln_fp8` and
+    `gelu_fp8` / `geglu_fp8` for a stock feed-forward's two projections."""
 
     norm1: nn.Module
     norm2: nn.Module
@@ -471,7 +479,11 @@ class LTXVideoTransformerBlock(nn.Module):
             batch_size, temb.size(1), 6, -1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
 
-        norm_hidden_states = adaln(hidden_states, scale_msa, shift_msa, norm1[1], norm="rms")
+        if _takes_fp8_rows(self.attn1):
+            norm_hidden_states = FP8Rows(*adaln_fp8(hidden_states, scale_msa, shift_msa, norm1[1], norm="rms"),
+                                         hidden_states.dtype)
+        else:
+            norm_hidden_states = adaln(hidden_states, scale_msa, shift_msa, norm1[1], norm="rms")
         attn_hidden_states = self.attn1(
             hidden_states=norm_hidden_states,
             encoder_hidden_states=None,
@@ -486,10 +498,15 @@ class LTXVideoTransformerBlock(nn.Module):
             attention_mask=encoder_attention_mask,
         )
         unit_gate = hidden_states.new_ones(hidden_states.size(-1))
-        hidden_states, norm_hidden_states = gated_residual_adaln(
-            hidden_states, attn_hidden_states, unit_gate, scale_mlp, shift_mlp, norm2[1], norm="rms")
-
-        ff_output = self.ff(norm_hidden_states)
+        fp8_ff = _fp8_feed_forward(self.ff)
+        if fp8_ff is not None:
+            hidden_states, q, scales = gated_residual_adaln_fp8(
+                hidden_states, attn_hidden_states, unit_gate, scale_mlp, shift_mlp, norm2[1], norm="rms")
+            ff_output = fp8_ff(FP8Rows(q, scales, hidden_states.dtype))
+        else:
+            hidden_states, norm_hidden_states = gated_residual_adaln(
+                hidden_states, attn_hidden_states, unit_gate, scale_mlp, shift_mlp, norm2[1], norm="rms")
+            ff_output = self.ff(norm_hidden_states)
         return gated_residual(hidden_states, ff_output, gate_mlp)
 
 
@@ -532,10 +549,13 @@ class LTXAttention(nn.Module):
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                 **kwargs):
         stock = _stock_ltx_processor_module(self)
-        if stock is None or kwargs or hidden_states.dim() != 3:
+        # FP8Rows come from the block, which checked `_takes_fp8_rows` (this path takes them)
+        fp8_rows = isinstance(hidden_states, FP8Rows)
+        if not fp8_rows and (stock is None or kwargs or hidden_states.dim() != 3):
             return _host(self).forward(self, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
                                        **kwargs)
-        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        rows = hidden_states.q if fp8_rows else hidden_states
+        context = rows if encoder_hidden_states is None else encoder_hidden_states
         batch_size, sequence_length, _ = context.shape
         if attention_mask is not None:
             attention_mask = self.prepare_attention_mask(attention_mask, sequence_length, batch_size)
@@ -625,11 +645,64 @@ def _plain_linear(module: nn.Module) -> bool:
             and not module._forward_pre_hooks and "forward" not in vars(module))
 
 
-def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor]):
+def _layer_forward(module: nn.Module):
+    """The function ``module``'s forward runs: its class's, or one kernelize bound to the
+    instance; None for another instance forward (a hook library's)."""
+    bound = vars(module).get("forward")
+    if bound is None:
+        return type(module).forward
+    return bound.__func__ if isinstance(bound, MethodType) and bound.__self__ is module else None
+
+
+def _unhooked(*modules: nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _takes_fp8_rows(attn: nn.Module) -> bool:
+    """attn runs `LTXAttention.forward` with diffusers' stock processor, unhooked (a hook
+    would be handed rows it cannot read), and its q, k and v projections are unhooked
+    `FP8Linear`s: self-attention then takes `FP8Rows`."""
+    projections = (getattr(attn, "to_q", None), getattr(attn, "to_k", None), getattr(attn, "to_v", None))
+    return (_layer_forward(attn) is LTXAttention.forward and _unhooked(attn)
+            and _stock_ltx_processor_module(attn) is not None
+            and all(isinstance(p, FP8Linear) and _unhooked(p) for p in projections))
+
+
+def _fp8_feed_forward(ff: nn.Module):
+    """For diffusers' stock ``FeedForward`` in eval mode (``net`` = GELU or GEGLU, dropout,
+    linear[, dropout]) whose two projections are `FP8Linear`s, nothing hooked or with an
+    instance forward: a function from the input's `FP8Rows` to its output, the activation
+    written as FP8 for the output projection by `gelu_fp8` / `geglu_fp8`. Else None."""
+    net = getattr(ff, "net", None)
+    if (_host(ff).__name__ != "FeedForward" or ff.training or "forward" in vars(ff) or not _unhooked(ff)
+            or not isinstance(net, nn.ModuleList) or len(net) not in (3, 4)):
+        return None
+    act, proj_out = net[0], net[2]
+    proj_in = getattr(act, "proj", None)
+    dropouts = [net[1], *net[3:]]
+    kind = _host(act).__name__
+    approximate = getattr(act, "approximate", "none") if kind == "GELU" else "none"
+    if (kind not in ("GELU", "GEGLU") or approximate not in ("none", "tanh")
+            or _layer_forward(act) not in (_host(act).forward, GEGLU.forward, DiffusersGELU.forward)
+            or not all(type(d) is nn.Dropout for d in dropouts)
+            or not all(isinstance(p, FP8Linear) for p in (proj_in, proj_out))
+            or not _unhooked(act, proj_in, proj_out, *dropouts)):
+        return None
+
+    def run(rows: FP8Rows) -> torch.Tensor:
+        h = proj_in(rows)
+        q, scales = geglu_fp8(h, "none") if kind == "GEGLU" else gelu_fp8(h, approximate)
+        return proj_out(FP8Rows(q, scales, h.dtype))
+
+    return run
+
+
+def _projections(attn: nn.Module, hidden_states, encoder_hidden_states: Optional[torch.Tensor]):
     """q, k, v: through diffusers' fused ``to_qkv`` (self-attention) or ``to_kv``
     (cross-attention) when ``fuse_projections`` built them, no grad is recorded and the
     separate projections are plain ``nn.Linear``s (so the fused copy is of what they
-    compute); else the three projections."""
+    compute); else the three projections. hidden_states may be `FP8Rows` (self-attention
+    with FP8 projections)."""
     separate = (attn.to_q, attn.to_k, attn.to_v)
     self_attention = encoder_hidden_states is None
     fused_module = getattr(attn, "to_qkv" if self_attention else "to_kv", None)
@@ -639,7 +712,8 @@ def _projections(attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_st
     fused = (fused_module is not None and getattr(attn, "fused_projections", False)
              and all(isinstance(p, FP8Linear) if fp8 else _plain_linear(p) for p in separate)
              and isinstance(fused_module, FP8Linear) == fp8
-             and not records_grad(hidden_states, encoder_hidden_states,
+             and not records_grad(hidden_states.q if isinstance(hidden_states, FP8Rows) else hidden_states,
+                                  encoder_hidden_states,
                                   *(p.weight for p in separate if not isinstance(p, FP8Linear))))
     if self_attention:
         if fused:

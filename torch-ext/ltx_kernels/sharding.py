@@ -335,14 +335,15 @@ def _qk_norm_rope_out(q_out, k_out, q, k, q_weight, k_weight, cos, sin, eps):
 
 
 def _fp8_strategies(x, weight_args: Sequence = (), trailing: int = 0, dynamic: bool = True,
-                    static_scale: bool = False) -> List[Strategy]:
-    """q (and, dynamic, the scales) like the rows; then the input, ``weight_args`` (tensor
-    or None), ``trailing`` non-tensor arguments and the static scale."""
+                    static_scale: bool = False, row_inputs: int = 1) -> List[Strategy]:
+    """q (and, dynamic, the scales) like the rows; then ``row_inputs`` inputs of the rows'
+    shape, ``weight_args`` (tensor or None), ``trailing`` non-tensor arguments and the
+    static scale."""
     _, Replicate, Shard = _placements()
     strategies = []
     for dim in [None, *range(x.ndim - 1)]:
         row = Replicate() if dim is None else Shard(dim)
-        inputs = [row, *(_rep(w) for w in weight_args), *([None] * trailing)]
+        inputs = [*([row] * row_inputs), *(_rep(w) for w in weight_args), *([None] * trailing)]
         if static_scale:
             inputs.append(Replicate())
         strategies.append(([row, row] if dynamic else [row], inputs))
@@ -378,6 +379,32 @@ def _adaln_fp8(x, scale, shift, eps, norm):
 
 def _adaln_fp8_static(x, scale, shift, eps, norm, fp8_scale):
     return _with_static_scale(_adaln(x, scale, shift, eps, norm))
+
+
+def _gated_residual_adaln_fp8(residual, x, gate, scale, shift, eps, norm):
+    layout = ["row", "row", "stats", *_GATED_RESIDUAL_ADALN_INPUTS]  # h, q, the scales
+    return _split(_modulated_strategies(x, [gate, scale, shift], layout), 3)
+
+
+def _gated_residual_adaln_fp8_static(residual, x, gate, scale, shift, eps, norm, fp8_scale):
+    return _with_static_scale(_gated_residual_adaln(residual, x, gate, scale, shift, eps, norm))
+
+
+# The GELU family's rows (geglu's [..., 2H] input: leading dims only, as q's rows).
+def _gelu_fp8(x, approximate):
+    return _fp8_strategies(x, trailing=1)
+
+
+def _gelu_fp8_static(x, approximate, scale):
+    return _fp8_strategies(x, trailing=1, dynamic=False, static_scale=True)
+
+
+def _gelu_mul_fp8(gate, up, approximate):
+    return _fp8_strategies(gate, trailing=1, row_inputs=2)
+
+
+def _gelu_mul_fp8_static(gate, up, approximate, scale):
+    return _fp8_strategies(gate, trailing=1, dynamic=False, static_scale=True, row_inputs=2)
 
 
 # op name -> the function listing its strategies (register_sharding's contract: called with
@@ -420,6 +447,14 @@ RULES: Dict[str, Callable] = {
     "rms_norm_fp8_static": _rms_norm_fp8_static,
     "adaln_fp8": _adaln_fp8,
     "adaln_fp8_static": _adaln_fp8_static,
+    "gated_residual_adaln_fp8": _gated_residual_adaln_fp8,
+    "gated_residual_adaln_fp8_static": _gated_residual_adaln_fp8_static,
+    "gelu_fp8": _gelu_fp8,
+    "gelu_fp8_static": _gelu_fp8_static,
+    "gelu_mul_fp8": _gelu_mul_fp8,
+    "gelu_mul_fp8_static": _gelu_mul_fp8_static,
+    "geglu_fp8": _gelu_fp8,
+    "geglu_fp8_static": _gelu_fp8_static,
 }
 
 _registered = False
