@@ -192,3 +192,27 @@ def wait_for_quiet(max_share: float, max_wait_s: float, window_s: float = 1.0) -
         share = load.share()
         if share is None or share <= max_share or time.perf_counter() >= deadline:
             return share
+
+
+def time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer, notes=None, width=10):
+    """Times each (name, factory) of `impls` not in `skipped` (name -> why) by graph replay,
+    calls rotated over the input `sets`, `reps` rounds in alternating order (drift between
+    rounds falls on every candidate alike), then prints a row each: the rounds' times, the
+    best, its % of the copy bandwidth, the best over `peer`'s, and notes[name]."""
+    notes = notes or {}
+    calls_n = calls_per_graph(len(sets), nbytes)
+    times = {}
+    for rep in range(reps):
+        for name, factory in impls if rep % 2 == 0 else impls[::-1]:
+            if name not in skipped:
+                calls = [factory(sets[i % len(sets)]) for i in range(calls_n)]
+                times.setdefault(name, []).append(graph_time_us(calls))
+    best_peer = min(times[peer]) if peer in times else None
+    for name, _ in impls:
+        if name in skipped:
+            print(f"  {name:{width}s} {skipped[name]}")
+            continue
+        best = min(times[name])
+        versus = f"  {best / best_peer:.3f} of {peer}" if best_peer else ""
+        print(f"  {name:{width}s} {' '.join(f'{t:8.2f}' for t in times[name])}  best {best:8.2f} us "
+              f"{nbytes / best / 1e3 / bandwidth * 100:5.1f}%{versus}{notes.get(name, '')}")

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from benchmarks.tuning.variants_build import time_and_print
 
 REPO = Path(__file__).resolve().parents[2]
 FP8, E4M3_MAX = torch.float8_e4m3fn, 448.0
@@ -117,7 +116,7 @@ def main():
             notes[name] = "  same bits as ltx" if same else \
                 f"  differs from ltx: {(pq.view(torch.uint8) != q.view(torch.uint8)).float().mean().item():.2e} of q"
         print(f"\n{op} {list(shape)} bf16, {nbytes / 1e6:.1f} MB")
-        time_and_print(impls, sets, nbytes, bandwidth, args.reps, {}, peer="compile", notes=notes)
+        harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, {}, peer="compile", notes=notes)
     if not args.skip_gemms:
         gemms(ltx, args.reps)
 
@@ -148,7 +147,7 @@ def gemms(ltx, reps):
                     continue
                 notes[name] = f"  L2 {((got - want).norm() / want.norm()).item():.2%} from bf16"
             print(f"\nGEMM {m}x{n}x{k} (M x N x K)")
-            time_and_print(impls, [None], 2 * (m * k + n * k + m * n), 1e9, reps, skipped, peer="bf16", notes=notes)
+            harness.time_and_print(impls, [None], 2 * (m * k + n * k + m * n), 1e9, reps, skipped, peer="bf16", notes=notes)
 
 
 if __name__ == "__main__":

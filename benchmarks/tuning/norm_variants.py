@@ -23,7 +23,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.ops import bench_ops
-from benchmarks.tuning.variants_build import load, time_and_print
+from benchmarks.tuning.variants_build import load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,7 @@ def main():
             if name != "compile" and err > limit:
                 skipped[name] = f"WRONG RESULT (max error {err:.1e}, production's {errors['0/0']:.1e})"
         notes = {name: f"  err {err:.1e}" for name, err in errors.items()}
-        time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="compile", notes=notes)
+        harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="compile", notes=notes)
 
 
 if __name__ == "__main__":

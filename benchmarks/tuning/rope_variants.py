@@ -19,7 +19,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.ops import bench_ops
-from benchmarks.tuning.variants_build import load, time_and_print
+from benchmarks.tuning.variants_build import load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def main():
                 continue
             if not all(torch.equal(o, r) for o, r in zip(out, reference)):
                 skipped[name] = "WRONG RESULT (not bit-equal to production)"
-        time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="liger", width=42)
+        harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="liger", width=42)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """What the launch-variants harnesses share (rope_variants.py, norm_variants.py): building
 their .cu (which includes a kernel_src/ .cuh and registers a torch op library) with nvcc
 against this python's torch, as a shared library to load or (check_only) a cubin that
-proves it compiles; and timing the candidates side by side."""
+proves it compiles. They time candidates with harness.time_and_print."""
 
 import subprocess
 from pathlib import Path
 
 import torch
 
-from benchmarks import harness
 from builder.toolchain import find_nvcc, find_torch, python_include
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,27 +43,3 @@ def load(source: Path) -> None:
     if spills:
         print(f"warning: {len(spills)} kernels spill (their variants' timings suffer)")
     torch.ops.load_library(str(library))
-
-
-def time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer, notes=None, width=10):
-    """Times each (name, factory) of `impls` not in `skipped` (name -> why) by graph replay,
-    calls rotated over the input `sets`, `reps` rounds in alternating order (drift between
-    rounds falls on every candidate alike), then prints a row each: the rounds' times, the
-    best, its % of the copy bandwidth, the best over `peer`'s, and notes[name]."""
-    notes = notes or {}
-    calls_n = harness.calls_per_graph(len(sets), nbytes)
-    times = {}
-    for rep in range(reps):
-        for name, factory in impls if rep % 2 == 0 else impls[::-1]:
-            if name not in skipped:
-                calls = [factory(sets[i % len(sets)]) for i in range(calls_n)]
-                times.setdefault(name, []).append(harness.graph_time_us(calls))
-    best_peer = min(times[peer]) if peer in times else None
-    for name, _ in impls:
-        if name in skipped:
-            print(f"  {name:{width}s} {skipped[name]}")
-            continue
-        best = min(times[name])
-        versus = f"  {best / best_peer:.3f} of {peer}" if best_peer else ""
-        print(f"  {name:{width}s} {' '.join(f'{t:8.2f}' for t in times[name])}  best {best:8.2f} us "
-              f"{nbytes / best / 1e3 / bandwidth * 100:5.1f}%{versus}{notes.get(name, '')}")
