@@ -57,6 +57,14 @@ def _cases(k):
         "gelu_backward": ([x, x], lambda g, x: k.ops.gelu_backward(g, x, "tanh")),
         "gelu_mul_backward": ([x, x, x], lambda g, a, b: k.ops.gelu_mul_backward(g, a, b, "none")),
         "geglu_backward": ([r(4, 300, 128), x], lambda g, x: k.ops.geglu_backward(g, x, "tanh")),
+        # FP8 producers (sm_89+): q and the row scales
+        "fp8_quantize": ([x], lambda x: k.quantize_fp8(x)),
+        "fp8_rms_norm": ([x, w], lambda x, w: k.rms_norm_fp8(x, w, 1e-6)),
+        "fp8_adaln": ([x, mod, mod], lambda x, s, t: k.adaln_fp8(x, s, t, 1e-6, norm="rms")),
+        "fp8_gated_residual_adaln": ([tok, x, mod, mod, mod], lambda r, x, g, s, t:
+                                     k.gated_residual_adaln_fp8(r, x, g, s, t, 1e-6, norm="layer")),
+        "fp8_gelu": ([x], lambda x: k.gelu_fp8(x, "tanh")),
+        "fp8_geglu": ([x], lambda x: k.geglu_fp8(x, "none")),
     }
 
 
@@ -64,6 +72,11 @@ def _with_stats_backward(k, grad, x, scale, shift):
     """The forward autograd calls for adaln, then its backward from the saved statistics."""
     out, stats = k.ops.adaln_with_stats(x, scale, shift, 1e-6, "layer")
     return (out, stats, *k.ops.adaln_backward(grad, x, scale, shift, 1e-6, "layer", None, stats))
+
+
+def _bits(t):
+    """FP8 tensors as their bytes (torch.equal compares numbers)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _as_tuple(out):
@@ -75,6 +88,8 @@ def _as_tuple(out):
 def test_op_replays_on_new_values(kernel, device, case):
     if device != "cuda":
         pytest.skip("CUDA graphs capture CUDA tensors")
+    if case.startswith("fp8_") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
     factories, fn = _cases(kernel)[case]
     static = [f() for f in factories]
     stream = torch.cuda.Stream()
@@ -92,7 +107,7 @@ def test_op_replays_on_new_values(kernel, device, case):
         graph.replay()
         expected = _as_tuple(fn(*fresh))  # in-place cases rotate `fresh` itself
         for got, want in zip(captured, expected):
-            assert torch.equal(got, want), case
+            assert torch.equal(_bits(got), _bits(want)), case
 
 
 @pytest.mark.kernels_ci
