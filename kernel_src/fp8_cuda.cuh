@@ -20,9 +20,10 @@ struct Fp8E4m3 {
 template <typename O>
 constexpr bool kFp8Out = std::is_same_v<O, Fp8E4m3>;
 
-// FP8 kernels run on sm_89 and newer (the ops refuse older GPUs): built for an older arch,
-// their bodies are a trap, with no build time or registers spent on code that cannot run.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+// FP8 kernels run on sm_89 and newer (the ops refuse older GPUs). Ada (sm_89) runs the sm_80
+// build (compute_90 PTX cannot serve it), so only the sm_75 build's bodies are a trap, with no
+// build time or registers spent on code that cannot run.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 constexpr bool kFp8Arch = false;
 #else
 constexpr bool kFp8Arch = true;

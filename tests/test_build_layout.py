@@ -249,3 +249,22 @@ def test_ops_live_in_the_build_namespace(backend):
 def test_generated_files_are_not_in_the_source_tree():
     assert not (REPO / "torch-ext" / "registration.h").exists()
     assert not (REPO / "torch-ext" / "ltx_kernels" / "_ops.py").exists()
+
+
+FP8_KERNEL = re.compile(r"Fp8E4m3|quantize_fp8_kernel|rms_norm_row_fp8_kernel")
+
+
+def test_fp8_kernels_have_bodies_where_sm89_runs_them():
+    """Ada (sm_89) runs the sm_80 build (no compute_90 PTX serves it) and Hopper the sm_90
+    one: there every FP8 kernel has a body; only the sm_75 build's are a trap (a few
+    registers), the ops refusing GPUs below sm_89. Read from the CUDA build's ptxas report."""
+    if "cuda" not in BACKENDS:
+        pytest.skip("no CUDA variant built here")
+    report = REPO / ".build-cache" / expected_variant("cuda") / "registers.txt"
+    rows = [line.split() for line in report.read_text().splitlines() if FP8_KERNEL.search(line)]
+    regs = {}
+    for row in rows:  # "sm_80 regs 64 stack 0B spill 0/0B <kernel>"
+        regs.setdefault(row[0], []).append(int(row[2]))
+    assert set(regs) == {"sm_75", "sm_80", "sm_90"} and len(regs["sm_80"]) >= 60, {a: len(r) for a, r in regs.items()}
+    assert min(regs["sm_80"]) > 8 and min(regs["sm_90"]) > 8, "an FP8 kernel compiled to a trap where Ada or Hopper runs it"
+    assert max(regs["sm_75"]) <= 8

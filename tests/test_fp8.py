@@ -183,10 +183,15 @@ def test_adaln_fp8_refusals(kernel, fp8_device):
         kernel.adaln_fp8(x, mod.clone().requires_grad_(), mod)
 
 
+# The adaln cases, and LTX-Video's width at enough rows for the CUDA launch of one vector a
+# thread (two rows or more an SM).
+GATED_CASES = ADALN_CASES + [((2, 300, 2048), (2, 1, 2048))]
+
+
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ADALN_CASES, ids=str)
+@pytest.mark.parametrize("case", GATED_CASES, ids=str)
 def test_gated_residual_adaln_fp8(kernel, fp8_device, case, dtype, norm):
     """h is gated_residual_adaln's sum bit for bit; q and scales quantize the AdaLN of h in
     fp32: gated_residual_adaln's own output for fp32 rows (an fp32 rounding changes no bit),
@@ -269,11 +274,13 @@ def test_gelu_fp8(kernel, fp8_device, case, dtype, approximate):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gelu_fp8_strided_and_misaligned(kernel, fp8_device, dtype):
-    """gate and up as slices of one fused projection (rows of one stride), and one element off
-    16-byte alignment (the scalar path on CUDA), as gelu_mul computes them."""
+    """gate and up as slices of one fused projection (rows of one stride), and either one
+    element off 16-byte alignment (the scalar path on CUDA), as gelu_mul computes them."""
     base = make((2, 5, 4 * 64), dtype, fp8_device)
+    flat = base.flatten()
     for gate, up in ((base[..., :64], base[..., 64:128]),
-                     (base.flatten()[1:1 + 640].view(2, 5, 64), base.flatten()[700:1340].view(2, 5, 64))):
+                     (flat[1:1 + 640].view(2, 5, 64), flat[700:1340].view(2, 5, 64)),
+                     (flat[:640].view(2, 5, 64), flat[641:1281].view(2, 5, 64))):  # up alone misaligned
         q, scales = kernel.gelu_mul_fp8(gate, up, "tanh")
         want_q, want_scales = reference_quantize(kernel.gelu_mul(gate.float(), up.float(), "tanh"))
         assert_bits(q, want_q)

@@ -196,17 +196,30 @@ def test_ltx_blocks_feed_fp8_rows_to_the_projections(device, monkeypatch):
     assert rel <= 1.1 * rel_unfused, (rel, rel_unfused)  # quantizing fp32 values, not their bf16 roundings
 
 
-@pytest.mark.parametrize("hooked", ["attn1", "attn1.to_k", "ff.net.2", "ff"])
-def test_hooks_keep_their_modules_16bit_inputs(hooked, monkeypatch):
-    """A hook of another library on attn1, a projection or the feed-forward sees what it
-    would see without FP8 producers: a 16-bit tensor, the producer before it not called."""
+@pytest.mark.parametrize("how", ["hook", "instance-forward"])
+@pytest.mark.parametrize("hooked", ["attn1", "attn1.to_k", "attn1.to_qkv", "ff.net.0.proj", "ff.net.2", "ff"])
+def test_hooks_keep_their_modules_16bit_inputs(hooked, how, monkeypatch):
+    """Another library's hook on attn1, a projection (the fused one after
+    fuse_qkv_projections) or the feed-forward, as a torch forward pre-hook or as an instance
+    forward (diffusers' hook registry), sees what it would see without FP8 producers: a
+    16-bit tensor, the producer before it not called."""
     model = small_ltx("cpu", BF16)
+    if hooked == "attn1.to_qkv":
+        model.fuse_qkv_projections()
     inputs = ltx_inputs("cpu", BF16)
     lki.kernelize_diffusers(model, fp8=True)
     seen = []
     module = model.transformer_blocks[0].get_submodule(hooked)
-    module.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(type(args[0] if args else kwargs["hidden_states"])), with_kwargs=True)
+    if how == "hook":
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(type(args[0] if args else kwargs["hidden_states"])), with_kwargs=True)
+    else:
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            seen.append(type(args[0] if args else kwargs["hidden_states"]))
+            return original(*args, **kwargs)
+        module.forward = forward
     calls = producer_calls(monkeypatch)
     with torch.no_grad():
         model(**inputs, return_dict=False)

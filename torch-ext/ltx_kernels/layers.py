@@ -658,24 +658,32 @@ def _unhooked(*modules: nn.Module) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
+def _plain_fp8_linear(module) -> bool:
+    """An `FP8Linear` running its own forward, unhooked: it reads `FP8Rows` itself."""
+    return isinstance(module, FP8Linear) and _layer_forward(module) is FP8Linear.forward and _unhooked(module)
+
+
 def _takes_fp8_rows(attn: nn.Module) -> bool:
     """attn runs `LTXAttention.forward` with diffusers' stock processor, unhooked (a hook
-    would be handed rows it cannot read), and its q, k and v projections are unhooked
+    would be handed rows it cannot read), and the projections self-attention calls (q, k
+    and v, and the fused ``to_qkv`` where `_projections` would take it) are plain
     `FP8Linear`s: self-attention then takes `FP8Rows`."""
-    projections = (getattr(attn, "to_q", None), getattr(attn, "to_k", None), getattr(attn, "to_v", None))
+    projections = [getattr(attn, "to_q", None), getattr(attn, "to_k", None), getattr(attn, "to_v", None)]
+    if getattr(attn, "fused_projections", False) and getattr(attn, "to_qkv", None) is not None:
+        projections.append(attn.to_qkv)
     return (_layer_forward(attn) is LTXAttention.forward and _unhooked(attn)
-            and _stock_ltx_processor_module(attn) is not None
-            and all(isinstance(p, FP8Linear) and _unhooked(p) for p in projections))
+            and _stock_ltx_processor_module(attn) is not None and all(_plain_fp8_linear(p) for p in projections))
 
 
 def _fp8_feed_forward(ff: nn.Module):
     """For diffusers' stock ``FeedForward`` in eval mode (``net`` = GELU or GEGLU, dropout,
-    linear[, dropout]) whose two projections are `FP8Linear`s, nothing hooked or with an
-    instance forward: a function from the input's `FP8Rows` to its output, the activation
-    written as FP8 for the output projection by `gelu_fp8` / `geglu_fp8`. Else None."""
+    linear[, dropout]) whose two projections are plain `FP8Linear`s, its dropouts identities
+    and nothing hooked or with another library's forward: a function from the input's
+    `FP8Rows` to its output, the activation written as FP8 for the output projection by
+    `gelu_fp8` / `geglu_fp8`. Else None."""
     net = getattr(ff, "net", None)
-    if (_host(ff).__name__ != "FeedForward" or ff.training or "forward" in vars(ff) or not _unhooked(ff)
-            or not isinstance(net, nn.ModuleList) or len(net) not in (3, 4)):
+    if (_host(ff).__name__ != "FeedForward" or ff.training or _layer_forward(ff) is not _host(ff).forward
+            or not _unhooked(ff) or not isinstance(net, nn.ModuleList) or len(net) not in (3, 4)):
         return None
     act, proj_out = net[0], net[2]
     proj_in = getattr(act, "proj", None)
@@ -684,9 +692,9 @@ def _fp8_feed_forward(ff: nn.Module):
     approximate = getattr(act, "approximate", "none") if kind == "GELU" else "none"
     if (kind not in ("GELU", "GEGLU") or approximate not in ("none", "tanh")
             or _layer_forward(act) not in (_host(act).forward, GEGLU.forward, DiffusersGELU.forward)
-            or not all(type(d) is nn.Dropout for d in dropouts)
-            or not all(isinstance(p, FP8Linear) for p in (proj_in, proj_out))
-            or not _unhooked(act, proj_in, proj_out, *dropouts)):
+            or not _unhooked(act) or not _plain_fp8_linear(proj_in) or not _plain_fp8_linear(proj_out)
+            or not all(type(d) is nn.Dropout and _layer_forward(d) is nn.Dropout.forward and _unhooked(d)
+                       and (not d.training or d.p == 0) for d in dropouts)):
         return None
 
     def run(rows: FP8Rows) -> torch.Tensor:
