@@ -192,14 +192,20 @@ __device__ __forceinline__ void add_compensated(float& sum, float& compensation,
   sum = t;
 }
 
-// Sum over aligned groups of `width` lanes (a power of two <= 32); every lane of the
-// group gets the result.
-__device__ __forceinline__ float group_sum(float v, int width) {
-  for (int offset = width / 2; offset > 0; offset /= 2) {
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  }
+// The row reductions below combine with `op` (a sum; the FP8 amax in fp8_cuda.cuh), each
+// thread's value first: op(v, the other lane's).
+struct Add {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// op over aligned groups of `width` lanes (a power of two <= 32); every lane gets the result.
+template <class Op = Add>
+__device__ __forceinline__ float group_reduce(float v, int width, Op op = {}) {
+  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
+
+__device__ __forceinline__ float group_sum(float v, int width) { return group_reduce(v, width); }
 
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread
 // gets the result. `scratch` holds 32 floats of shared memory that no other reduction of
@@ -215,19 +221,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return group_sum(v, 32);
 }
 
-// Sum over one row's threads: a lane group of up to a warp, or the row's warps, where a
-// block holds rows of threads_per_row consecutive threads (each row's sum from its own
-// slots of `scratch`, 32 floats as block_sum's).
-__device__ __forceinline__ float row_sum(float v, int threads_per_row, float* scratch) {
-  if (threads_per_row <= 32) return group_sum(v, threads_per_row);
+// op over one row's threads: a lane group of up to a warp, or the row's warps, where a
+// block holds rows of threads_per_row consecutive threads (each row's result from its own
+// slots of `scratch`, 32 floats as block_sum's). Lanes past the row's warps add 0, which
+// is op's identity for a sum and for an amax of magnitudes.
+template <class Op = Add>
+__device__ __forceinline__ float row_reduce(float v, int threads_per_row, float* scratch, Op op = {}) {
+  if (threads_per_row <= 32) return group_reduce(v, threads_per_row, op);
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int row_warps = threads_per_row / 32;  // a power of two
-  v = group_sum(v, 32);
+  v = group_reduce(v, 32, op);
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   v = lane < row_warps ? scratch[(warp & -row_warps) + lane] : 0.f;
-  return group_sum(v, 32);
+  return group_reduce(v, 32, op);
+}
+
+__device__ __forceinline__ float row_sum(float v, int threads_per_row, float* scratch) {
+  return row_reduce(v, threads_per_row, scratch);
 }
 
 // n / d for 0 <= n < 2^31 by a multiply-high, an add and a shift, with d's magic number

@@ -30,25 +30,13 @@ constexpr bool kFp8Arch = true;
 #endif
 
 
-// fp8_amax_step over aligned groups of `width` lanes (a power of two <= 32).
-__device__ __forceinline__ float group_amax(float v, int width) {
-  for (int offset = width / 2; offset > 0; offset /= 2) v = fp8_amax_step(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-// fp8_amax_step over one row's threads, as row_sum (cuda_common.cuh) adds them: a lane group
-// of up to a warp, or the row's warps through their slots of `scratch` (32 floats that no
-// other reduction of the kernel uses). Every thread of the row gets the result.
+// fp8_amax_step over one row's threads, as row_sum adds them (cuda_common.cuh's
+// row_reduce): every thread of the row gets the result.
+struct Fp8AmaxStep {
+  __device__ __forceinline__ float operator()(float running, float a) const { return fp8_amax_step(running, a); }
+};
 __device__ __forceinline__ float row_amax(float v, int threads_per_row, float* scratch) {
-  if (threads_per_row <= 32) return group_amax(v, threads_per_row);
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int row_warps = threads_per_row / 32;  // a power of two
-  v = group_amax(v, 32);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < row_warps ? scratch[(warp & -row_warps) + lane] : 0.f;
-  return group_amax(v, 32);
+  return row_reduce(v, threads_per_row, scratch, Fp8AmaxStep{});
 }
 
 // Stores VEC e4m3 bytes of f / scale at vector i of `row`, packed into 32-bit words in
