@@ -74,6 +74,18 @@ def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
     assert kernelized and all(r["error"] is None and r["max_abs_diff"] < 5e-2 for r in kernelized), kernelized
 
 
+def test_models_are_chosen_by_name(tmp_path):
+    """--models ltx13b runs the 13B's workloads under its label (with --tiny, the tiny model
+    on the same path); an unknown name is refused, not matched by a substring."""
+    bench = load_benchmark()
+    results = bench.main(["--tiny", "--device", "cpu", "--models", "ltx13b", "--configs", "eager",
+                          "--warmup", "0", "--repeats", "1", "--profile-top", "0"])
+    assert [r.workload.split(" 2 latent")[0] for r in results] == ["LTX-Video 13B"], results
+    assert bench.LTX_MODELS["ltx13b"][1]["num_layers"] == 48
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--device", "cpu", "--models", "ltx-video", "--configs", "eager"])
+
+
 def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
     """The FP8 configurations run on the CPU (FP8Linear's reference path), on heavy-tailed
     inputs: converted linears counted, the output's relative L2 from eager recorded and shown;

@@ -2,8 +2,9 @@
 compiled.
 
 Workloads (random weights, models built from their configs, bf16):
-- LTX-Video transformer, default config (the 2B model), batch 2 (CFG), 128 text tokens:
-  49 frames at 512x768 (latent 7x16x24 = 2688 tokens) and 161 frames (21x16x24 = 8064);
+- LTX-Video transformer, default config (the 2B model; ``--models ltx13b``: the 13B, 48
+  layers of 32 heads x 128), batch 2 (CFG), 128 text tokens: 49 frames at 512x768 (latent
+  7x16x24 = 2688 tokens) and 161 frames (21x16x24 = 8064);
 - Qwen3-8B: prefill of 512 and 8192 tokens (batch 1, logits of the last token, as generate
   computes them) and one decode step on a 4096-token KV cache.
 
@@ -30,6 +31,8 @@ often the software power cap held while each configuration was timed (nvidia-smi
     python -m benchmarks.e2e.e2e_models --tiny                                  # small models, seconds on CPU
     python -m benchmarks.e2e.e2e_models --models ltx --ltx-videos "49 frames" --fuse-qkv \
         --configs eager,eager+kernels,compile+kernels,eager+kernels+fp8,compile+kernels+fp8,compile+torchao-fp8
+    python -m benchmarks.e2e.e2e_models --models ltx13b --ltx-videos "49 frames" --fuse-qkv \
+        --configs eager,eager+kernels,eager+kernels+fp8
 """
 
 import argparse
@@ -62,6 +65,11 @@ DTYPE = torch.bfloat16
 LTX_TEXT_TOKENS = 128
 # latent (frames, height, width) per video length at 512x768 (VAE: 8x temporal, 32x spatial)
 LTX_LATENTS = {"49 frames": (7, 16, 24), "161 frames": (21, 16, 24)}
+# --models name -> (label, LTX-Video transformer config beside the default, the 2B)
+LTX_MODELS = {"ltx": ("LTX-Video", {}),
+              "ltx13b": ("LTX-Video 13B", dict(num_layers=48, num_attention_heads=32, attention_head_dim=128,
+                                               cross_attention_dim=4096))}
+MODELS = (*LTX_MODELS, "qwen3")
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
@@ -97,7 +105,7 @@ class Result:
     clocks: Optional[dict] = None  # --clocks: see clock_summary
 
 
-def ltx_workloads(model, device, tiny, videos, heavy_tails=False) -> List[Workload]:
+def ltx_workloads(model, device, tiny, videos, heavy_tails=False, label="LTX-Video") -> List[Workload]:
     """LTX-Video's forwards; with ``heavy_tails`` the latents and prompt embeddings are drawn
     from Student's t with 2 degrees of freedom (rare values far out, as activations with
     outliers): where per-row FP8 scales lose most."""
@@ -122,7 +130,7 @@ def ltx_workloads(model, device, tiny, videos, heavy_tails=False) -> List[Worklo
             encoder_attention_mask=torch.ones(2, text, device=device),
             num_frames=frames, height=height, width=width, return_dict=False)
         tails = ", heavy-tailed" if heavy_tails else ""
-        workloads.append(Workload("ltx", f"LTX-Video {name} ({2 * tokens} tokens{tails})",
+        workloads.append(Workload("ltx", f"{label} {name} ({2 * tokens} tokens{tails})",
                                   lambda m, inputs=inputs: m(**inputs)[0]))
     return workloads
 
@@ -446,7 +454,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small models and shapes (seconds on a CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", default="ltx,qwen3", help="comma-separated: ltx, qwen3")
+    parser.add_argument("--models", default="ltx,qwen3", help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, of {', '.join(CONFIGS + FP8_CONFIGS)}")
     parser.add_argument("--ltx-videos", default=",".join(LTX_LATENTS),
@@ -486,14 +494,18 @@ def main(argv=None):
     results: List[Result] = []
     profiles: Dict[str, List[dict]] = {}  # "workload / config" -> its profile
     timelines: Dict[str, Optional[dict]] = {}  # "workload / config" -> its GPU timeline (None on CPU)
-    if "ltx" in args.models:
+    models = [m for m in args.models.split(",") if m]
+    if not models or set(models) - set(MODELS):
+        parser.error(f"--models takes some of {', '.join(MODELS)}")
+    for name in [m for m in LTX_MODELS if m in models]:
+        label, config = LTX_MODELS[name]
         torch.manual_seed(0)
         with torch.device(device):  # random init on the device: seconds, where the CPU takes minutes
-            ltx = LTXVideoTransformer3DModel(**(TINY_LTX if args.tiny else {})).to(DTYPE).eval()
+            ltx = LTXVideoTransformer3DModel(**(TINY_LTX if args.tiny else config)).to(DTYPE).eval()
         if args.fuse_qkv:
             ltx.fuse_qkv_projections()
-        workloads = ltx_workloads(ltx, device, args.tiny, videos, args.heavy_tails)
-        print(f"LTX-Video transformer: {parameters(ltx)} parameters", flush=True)
+        workloads = ltx_workloads(ltx, device, args.tiny, videos, args.heavy_tails, label)
+        print(f"{label} transformer: {parameters(ltx)} parameters", flush=True)
         model_results, model_profiles, model_timelines = benchmark_model(
             ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options, workloads[0],
             args.profile_top, args.clocks)
@@ -501,7 +513,7 @@ def main(argv=None):
         profiles.update(model_profiles)
         timelines.update(model_timelines)
         del ltx, workloads
-    if "qwen3" in args.models:
+    if "qwen3" in models:
         torch.manual_seed(0)
         with torch.device(device):
             qwen = Qwen3ForCausalLM(Qwen3Config(**(TINY_QWEN3 if args.tiny else QWEN3_8B))).to(DTYPE).eval()
