@@ -2,6 +2,10 @@
 torchrun would: RANK, WORLD_SIZE, LOCAL_RANK in the environment, gloo on the CPU).
 
     python tests/multi_process_worker.py OUT_DIR [CASE ...]
+    LTX_WORKER_DEVICE=cuda torchrun --nproc-per-node 2 tests/multi_process_worker.py OUT_DIR ops
+
+With LTX_WORKER_DEVICE=cuda (a machine of two or more GPUs) the ranks use NCCL, one GPU
+each, and the CUDA variant: the "ops" case then runs every op on CUDA DTensors.
 
 Each case builds tiny models from their configs (no downloads), runs them on one process
 and under a multi-GPU engine, stock and kernelized in each order, and records what differs
@@ -32,9 +36,14 @@ SMALL_LLM = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidd
 OUTPUT_ATOL, GRAD_ATOL = 1e-5, 2e-4
 
 
+DEVICE = os.environ.get("LTX_WORKER_DEVICE", "cpu")
+
+
 def load_kernel():
     from conftest import TARGETS, load_variant
 
+    if DEVICE == "cuda":
+        return load_variant("cuda")
     return load_variant(next(backend for backend, device in TARGETS if device == "cpu"))
 
 
@@ -240,10 +249,11 @@ def case_ops(lki, rank, world) -> dict:
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     record = {}
     for name, split, args, placements, written, expected_placements in op_cases(lki):
         op = getattr(lki.ops, name)
+        args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
 
         def run():
             plain = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -566,7 +576,10 @@ def cases(checkpoint: Path) -> dict:
 def main(out_dir: Path, selected: list) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     results = {}
     try:
         lki = load_kernel()
