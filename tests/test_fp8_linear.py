@@ -230,6 +230,15 @@ def test_hooks_keep_their_modules_16bit_inputs(hooked, how, monkeypatch):
     assert calls.get("gated_residual_adaln_fp8", 0) == calls.get("gelu_fp8", 0) == 1 + ff_rows
 
 
+def test_fast_accumulation_is_the_callers_choice():
+    """fp8_fast_accum reaches every converted linear (and so torch._scaled_mm); off by default."""
+    for fast in (False, True):
+        model = small_ltx("cpu", BF16)
+        lki.kernelize_diffusers(model, fp8=True, **({"fp8_fast_accum": True} if fast else {}))
+        layers = [m for m in model.modules() if isinstance(m, lki.FP8Linear)]
+        assert layers and all(m.fast_accum is fast for m in layers)
+
+
 def test_kernelize_diffusers_fp8_refusals():
     model = small_ltx("cpu", BF16).train()
     with pytest.raises(RuntimeError, match="training mode"):

@@ -98,7 +98,7 @@ def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
                 "--heavy-tails", "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
     results = json.loads(out.read_text())["results"]
     by = {(r["workload"].split()[0], r["config"]): r for r in results}
-    for config in ("eager+kernels+fp8", "compile+kernels+fp8"):
+    for config in ("eager+kernels+fp8", "compile+kernels+fp8", "eager+kernels+fp8-fast", "compile+kernels+fp8-fast"):
         r = by[("LTX-Video", config)]
         assert r["error"] is None and r["replaced"]["FP8Linear"] == 20, r
         assert 0 < r["rel_l2"] < 0.05, r

@@ -12,7 +12,8 @@ Configurations: eager; eager + kernels (the kernel's `kernelize_*`); compile
 (`torch.compile(model, fullgraph=True)`); compile + kernels (kernelized with
 Mode.INFERENCE | Mode.TORCH_COMPILE, then compiled; a transformers model stays stock there,
 see the README; the table marks such a cell "stock"). FP8, for LTX-Video on sm_89+ (not in
-the default list): eager / compile + kernels + fp8 (`kernelize_diffusers(fp8=True)`), and
+the default list): eager / compile + kernels + fp8 (`kernelize_diffusers(fp8=True)`; "+fp8-fast":
+with ``fp8_fast_accum=True``), and
 eager / compile + torchao-fp8 (torchao's `Float8DynamicActivationFloat8WeightConfig` with
 `PerRow()` granularity on a copy of the model, the per-row FP8 a user picks today); their
 cells also show the output's relative L2 from eager. A configuration that fails (e.g. a
@@ -60,7 +61,8 @@ kernelize_diffusers, kernelize_transformers, unkernelize = (
     _kernel.kernelize_diffusers, _kernel.kernelize_transformers, _kernel.unkernelize)
 
 CONFIGS = ("eager", "eager+kernels", "compile", "compile+kernels")
-FP8_CONFIGS = ("eager+kernels+fp8", "compile+kernels+fp8", "eager+torchao-fp8", "compile+torchao-fp8")
+FP8_CONFIGS = ("eager+kernels+fp8", "compile+kernels+fp8", "eager+kernels+fp8-fast", "compile+kernels+fp8-fast",
+               "eager+torchao-fp8", "compile+torchao-fp8")
 DTYPE = torch.bfloat16
 LTX_TEXT_TOKENS = 128
 # latent (frames, height, width) per video length at 512x768 (VAE: 8x temporal, 32x spatial)
@@ -248,7 +250,10 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
             if config in FP8_CONFIGS and kernelize is not kernelize_diffusers:
                 raise ValueError("the FP8 configurations are for diffusers models (LTX-Video)")
             if "+kernels" in config:
-                replaced = kernelize(model, mode=mode, **({"fp8": True} if config.endswith("+fp8") else {}))
+                fp8 = {"fp8": True} if "+fp8" in config else {}
+                if config.endswith("+fp8-fast"):
+                    fp8["fp8_fast_accum"] = True
+                replaced = kernelize(model, mode=mode, **fp8)
             if "torchao-fp8" in config:
                 target = torchao_fp8(model)
         except Exception as error:  # noqa: BLE001  (reported per workload below)
@@ -362,7 +367,7 @@ def markdown(results: List[Result], configs) -> str:
     header = ["workload", *[f"{c} ms (host ms)" for c in configs]]
     speedups = [(a, b) for a, b in (("eager+kernels", "eager"), ("compile+kernels", "compile"), ("compile", "eager"),
                                     ("eager+kernels+fp8", "eager"), ("compile+kernels+fp8", "compile"),
-                                    ("compile+torchao-fp8", "compile"))
+                                    ("compile+kernels+fp8-fast", "compile"), ("compile+torchao-fp8", "compile"))
                 if a in configs and b in configs]
     header += [f"{a} vs {b}" for a, b in speedups] + ["max abs diff (kernels)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
