@@ -268,3 +268,15 @@ def test_fp8_kernels_have_bodies_where_sm89_runs_them():
     assert set(regs) == {"sm_75", "sm_80", "sm_90"} and len(regs["sm_80"]) >= 60, {a: len(r) for a, r in regs.items()}
     assert min(regs["sm_80"]) > 8 and min(regs["sm_90"]) > 8, "an FP8 kernel compiled to a trap where Ada or Hopper runs it"
     assert max(regs["sm_75"]) <= 8
+
+
+def test_the_hub_card_names_every_public_function_and_layer():
+    """CARD.md (the Hub page) lists what the package exports and every kernelize layer."""
+    import inspect
+
+    kernel = load_variant(BACKENDS[0])
+    card = (REPO / "CARD.md").read_text()
+    functions = [n for n in kernel.__all__ if n not in ("layers", "ops", "reference")]
+    layers = [n for n, c in vars(kernel.layers).items() if inspect.isclass(c) and hasattr(c, "has_backward")]
+    assert len(layers) >= 10
+    assert [n for n in functions + layers if f"`{n}" not in card] == []
