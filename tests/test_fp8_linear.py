@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from test_integration_diffusers import DEVICES, ltx_inputs, small_ltx
+from test_integration_diffusers import DEVICES, flux_inputs, ltx_inputs, small_flux, small_ltx
 from test_integration_transformers import lki, needs_device
 
 BF16 = torch.bfloat16
@@ -194,6 +194,36 @@ def test_ltx_blocks_feed_fp8_rows_to_the_projections(device, monkeypatch):
     assert 0 < rel < LTX_FP8_REL_L2, rel
     rel_unfused = ((unfused - want).norm() / want.norm()).item()
     assert rel <= 1.1 * rel_unfused, (rel, rel_unfused)  # quantizing fp32 values, not their bf16 roundings
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flux_feed_forwards_write_their_gelu_as_fp8(device, monkeypatch):
+    """FLUX's feed-forwards (image and text streams of its double block), kernelized with
+    fp8=True, run as the FeedForward layer: the input quantized once and the GELU written by
+    gelu_fp8 for the output projection. The output stays within the FP8 bound of stock's."""
+    fp8_device(device)
+    model = small_flux(device, BF16)
+    stock = copy.deepcopy(model)
+    inputs = flux_inputs(device, BF16)
+    counts = lki.kernelize_diffusers(model, fp8=True)
+    assert counts["FeedForward"] == 2, counts  # ff and ff_context
+    calls = producer_calls(monkeypatch)
+    with torch.no_grad():
+        want = stock(**inputs, return_dict=False)[0].float()
+        got = model(**inputs, return_dict=False)[0].float()
+    assert calls == {"gelu_fp8": 2}, calls
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < LTX_FP8_REL_L2, rel
+    lki.unkernelize(model)
+    assert "FeedForward" not in lki.replaced_modules(model)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs, return_dict=False)[0].float(), want)
+
+
+def test_feed_forward_layer_only_for_fp8_projections():
+    """Without fp8 the feed-forwards stay stock (nothing to fuse around 16-bit GEMMs)."""
+    model = small_flux("cpu", BF16)
+    assert "FeedForward" not in lki.kernelize_diffusers(model)
 
 
 @pytest.mark.parametrize("how", ["hook", "instance-forward"])

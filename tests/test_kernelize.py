@@ -97,7 +97,7 @@ def test_every_layer_follows_the_kernelize_rules(kernel):
     assert {layer.__name__ for layer in layers} == {
         "RMSNorm", "RMSNormZeroCentered", "GeluTanh", "ApplyRotaryPosEmb", "DiffusersRMSNorm", "GEGLU", "DiffusersGELU",
         "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous", "LTXVideoTransformerBlock",
-        "LTXAttention", "LTXVideoRotaryPosEmbed"}
+        "LTXAttention", "LTXVideoRotaryPosEmbed", "FeedForward"}
     module_members = {name for name, _ in inspect.getmembers(torch.nn.Module)}
     for layer in layers:
         assert layer.__init__ is torch.nn.Module.__init__, layer

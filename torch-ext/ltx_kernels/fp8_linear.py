@@ -41,6 +41,16 @@ class FP8Rows(NamedTuple):
     scales: torch.Tensor
     dtype: torch.dtype
 
+    @staticmethod
+    def quantize(x: torch.Tensor) -> "FP8Rows":
+        """``x`` [..., D] by `quantize_fp8`: rows that nn.Linear takes as views (transposed,
+        expanded) copied contiguous first."""
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        q, scales = quantize_fp8(rows)
+        return FP8Rows(q.reshape(x.shape), scales.reshape(*x.shape[:-1], 1), x.dtype)
+
 
 class FP8Linear(torch.nn.Module):
     """``linear`` as an FP8 GEMM (see the module's doc). A copy of ``linear`` is kept on the
@@ -81,11 +91,7 @@ class FP8Linear(torch.nn.Module):
             raise RuntimeError("FP8Linear is for inference: its input requires grad (FP8 GEMMs have no "
                                "backward here; run under torch.no_grad() or torch.inference_mode())")
         self._check(x.shape[-1], x.device, x.dtype)
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():  # transposed or expanded views nn.Linear takes
-            rows = rows.contiguous()
-        q, scales = quantize_fp8(rows)
-        return self._gemm(q, scales, x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return self._gemm(*FP8Rows.quantize(x))
 
     def _check(self, features: int, device: torch.device, dtype: torch.dtype) -> None:
         if features != self.in_features:

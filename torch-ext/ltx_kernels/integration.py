@@ -83,6 +83,7 @@ DIFFUSERS_LAYERS = {
     "diffusers.models.normalization:RMSNorm": "DiffusersRMSNorm",
     "diffusers.models.activations:GEGLU": "GEGLU",
     "diffusers.models.activations:GELU": "DiffusersGELU",
+    "diffusers.models.attention:FeedForward": "FeedForward",
     "diffusers.models.normalization:AdaLayerNormZero": "AdaLayerNormZero",
     "diffusers.models.normalization:AdaLayerNormZeroSingle": "AdaLayerNormZeroSingle",
     "diffusers.models.normalization:AdaLayerNormContinuous": "AdaLayerNormContinuous",
@@ -242,9 +243,10 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
 
     ``fp8=True`` also turns the attention and feed-forward linears of the transformer
     blocks into `FP8Linear` (FP8 GEMMs with per-token and per-channel scales, counted under
-    ``"FP8Linear"``; ``fp8_fast_accum`` as there); refused, before anything changes, for a
-    model in training mode, a GPU below compute capability 8.9, a CUDA model not in
-    bfloat16, and LoRA-wrapped linears.
+    ``"FP8Linear"``; ``fp8_fast_accum`` as there), and diffusers' ``FeedForward`` with them
+    into the `layers.FeedForward` layer (its GELU written as FP8 between the GEMMs);
+    refused, before anything changes, for a model in training mode, a GPU below compute
+    capability 8.9, a CUDA model not in bfloat16, and LoRA-wrapped linears.
 
     Each replaced module then runs its layer's forward from a subclass of its class (same
     name, `isinstance` holds; `unkernelize` puts the class back), not from the per-instance
@@ -264,21 +266,25 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
                          "attention or feed-forward linear in its transformer blocks to convert")
     for name, model in models.items():
         _wrapper_chains(model, "kernelize")  # refuse before changing any component
-    with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_unmapped_hooks():
-        for name, model in models.items():
-            with _wrappers_set_aside(model, "kernelize"):
-                _classes_back(model)  # kernelize reads each module's class (its condition, its forward)
-                kernelize(model, mode=mode, device=devices[name])
-                _forwards_into_classes(model)
-            for layer, count in replaced_modules(model, DIFFUSERS_LAYERS.values()).items():
-                counts[layer] = counts.get(layer, 0) + count
-    if not counts:
-        for model in models.values():
-            unkernelize(model)
-        raise ValueError(f"{', '.join(f'{n} ({type(m).__name__})' for n, m in models.items())} has no module "
-                         f"ltx-kernels replaces (supported: {', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)})"
-                         f"{_mode_note(mode)}")
+    # The FP8 linears first: the FeedForward layer's condition reads them.
     converted = sum(apply_fp8_plan(plan, fast_accum=fp8_fast_accum) for plan in fp8_plans.values())
+    try:
+        with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_unmapped_hooks():
+            for name, model in models.items():
+                with _wrappers_set_aside(model, "kernelize"):
+                    _classes_back(model)  # kernelize reads each module's class (its condition, its forward)
+                    kernelize(model, mode=mode, device=devices[name])
+                    _forwards_into_classes(model)
+                for layer, count in replaced_modules(model, DIFFUSERS_LAYERS.values()).items():
+                    counts[layer] = counts.get(layer, 0) + count
+        if not counts:
+            raise ValueError(f"{', '.join(f'{n} ({type(m).__name__})' for n, m in models.items())} has no module "
+                             f"ltx-kernels replaces (supported: "
+                             f"{', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)}){_mode_note(mode)}")
+    except BaseException:
+        for model in models.values():
+            unkernelize(model)  # the linears too
+        raise
     if converted + converted_before:
         counts["FP8Linear"] = converted + converted_before
     return counts
@@ -777,6 +783,12 @@ def _ltx_rope_fusable(rope) -> bool:
             and host._prepare_video_coords is LTXVideoRotaryPosEmbed._prepare_video_coords)
 
 
+def _fp8_feed_forward_fusable(ff: torch.nn.Module) -> bool:
+    """A feed-forward of FP8 projections (kernelize_diffusers(fp8=True) converts them
+    first) that the FeedForward layer computes; 16-bit ones stay stock."""
+    return any(isinstance(m, FP8Linear) for m in ff.modules()) and layers._fp8_feed_forward(ff) is not None
+
+
 _DIFFUSERS_CONDITIONS = {
     "RMSNorm": lambda norm: norm.bias is None,
     "AdaLayerNormZero": lambda ada: _norm_without_affine(ada.norm),
@@ -785,4 +797,5 @@ _DIFFUSERS_CONDITIONS = {
     "LTXVideoTransformerBlock": _ltx_block_fusable,
     "LTXAttention": _ltx_attention_fusable,
     "LTXVideoRotaryPosEmbed": _ltx_rope_fusable,
+    "FeedForward": _fp8_feed_forward_fusable,
 }

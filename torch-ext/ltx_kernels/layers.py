@@ -344,6 +344,26 @@ class DiffusersGELU(nn.Module):
         return gelu(hidden_states, self.approximate)
 
 
+class FeedForward(nn.Module):
+    """For diffusers' ``FeedForward`` (LTX-Video, FLUX, SD3, PixArt) whose two projections
+    are `FP8Linear`s (``kernelize_diffusers(fp8=True)``): the input quantized once, the
+    GELU written as FP8 for the output projection by `gelu_fp8` / `geglu_fp8`, with no
+    16-bit activation between the two GEMMs (see `_fp8_feed_forward`). Any other call
+    (extra arguments, an input that requires grad, a feed-forward hooked or changed since)
+    runs the host's forward."""
+
+    net: nn.ModuleList
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states, *args, **kwargs):
+        fp8_ff = None if args or kwargs or records_grad(hidden_states) else _fp8_feed_forward(self)
+        if fp8_ff is None:
+            return _host(self).forward(self, hidden_states, *args, **kwargs)
+        return fp8_ff(FP8Rows.quantize(hidden_states))
+
+
 class AdaLayerNormZero(nn.Module):
     """For diffusers' ``AdaLayerNormZero`` (DiT, PixArt, FLUX double blocks, SD3): the
     host's conditioning path (``linear(silu(emb))``, six chunks, shift first), then
@@ -682,7 +702,8 @@ def _fp8_feed_forward(ff: nn.Module):
     `FP8Rows` to its output, the activation written as FP8 for the output projection by
     `gelu_fp8` / `geglu_fp8`. Else None."""
     net = getattr(ff, "net", None)
-    if (_host(ff).__name__ != "FeedForward" or ff.training or _layer_forward(ff) is not _host(ff).forward
+    if (_host(ff).__name__ != "FeedForward" or ff.training
+            or _layer_forward(ff) not in (_host(ff).forward, FeedForward.forward)
             or not _unhooked(ff) or not isinstance(net, nn.ModuleList) or len(net) not in (3, 4)):
         return None
     act, proj_out = net[0], net[2]
