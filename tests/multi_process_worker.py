@@ -576,6 +576,8 @@ def cases(checkpoint: Path) -> dict:
 def main(out_dir: Path, selected: list) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
+    if DEVICE == "cuda" and selected != ["ops"]:
+        raise SystemExit("LTX_WORKER_DEVICE=cuda runs the ops case only: pass `ops` as the one case")
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world,

@@ -367,7 +367,8 @@ def markdown(results: List[Result], configs) -> str:
     header = ["workload", *[f"{c} ms (host ms)" for c in configs]]
     speedups = [(a, b) for a, b in (("eager+kernels", "eager"), ("compile+kernels", "compile"), ("compile", "eager"),
                                     ("eager+kernels+fp8", "eager"), ("compile+kernels+fp8", "compile"),
-                                    ("compile+kernels+fp8-fast", "compile"), ("compile+torchao-fp8", "compile"))
+                                    ("eager+kernels+fp8-fast", "eager"), ("compile+kernels+fp8-fast", "compile"),
+                                    ("compile+torchao-fp8", "compile"))
                 if a in configs and b in configs]
     header += [f"{a} vs {b}" for a, b in speedups] + ["max abs diff (kernels)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -499,7 +500,7 @@ def main(argv=None):
     results: List[Result] = []
     profiles: Dict[str, List[dict]] = {}  # "workload / config" -> its profile
     timelines: Dict[str, Optional[dict]] = {}  # "workload / config" -> its GPU timeline (None on CPU)
-    models = [m for m in args.models.split(",") if m]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or set(models) - set(MODELS):
         parser.error(f"--models takes some of {', '.join(MODELS)}")
     for name in [m for m in LTX_MODELS if m in models]:

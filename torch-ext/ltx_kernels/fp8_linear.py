@@ -197,6 +197,12 @@ def apply_fp8_plan(plan: Plan, *, fast_accum: bool = False) -> int:
     return len(plan)
 
 
+def undo_fp8_plan(plan: Plan) -> None:
+    """The plan's linears back in their places (those apply_fp8_plan converted, or all)."""
+    for parent, name, linear in plan:
+        setattr(parent, name, linear)
+
+
 def convert_linears_to_fp8(model: torch.nn.Module, *, fast_accum: bool = False) -> int:
     """The attention and feed-forward linears of ``model``'s transformer blocks as
     `FP8Linear` (see `fp8_plan` for what is refused); returns how many."""

@@ -55,7 +55,7 @@ from typing import Dict, Iterator, Optional, Union
 import torch
 
 from . import layers
-from .fp8_linear import FP8Linear, apply_fp8_plan, fp8_plan, restore_linears
+from .fp8_linear import FP8Linear, apply_fp8_plan, fp8_plan, restore_linears, undo_fp8_plan
 from .layers import _host
 
 __all__ = ["diffusers_mapping", "kernelize_diffusers", "kernelize_transformers", "replaced_modules",
@@ -266,9 +266,9 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
                          "attention or feed-forward linear in its transformer blocks to convert")
     for name, model in models.items():
         _wrapper_chains(model, "kernelize")  # refuse before changing any component
-    # The FP8 linears first: the FeedForward layer's condition reads them.
-    converted = sum(apply_fp8_plan(plan, fast_accum=fp8_fast_accum) for plan in fp8_plans.values())
     try:
+        # The FP8 linears first: the FeedForward layer's condition reads them.
+        converted = sum(apply_fp8_plan(plan, fast_accum=fp8_fast_accum) for plan in fp8_plans.values())
         with use_kernel_mapping(mapping, inherit_mapping=False), _quiet_unmapped_hooks():
             for name, model in models.items():
                 with _wrappers_set_aside(model, "kernelize"):
@@ -283,7 +283,9 @@ def kernelize_diffusers(pipeline_or_model, repo: Repo = None, *, device: Optiona
                              f"{', '.join(c.split(':')[1] for c in DIFFUSERS_LAYERS)}){_mode_note(mode)}")
     except BaseException:
         for model in models.values():
-            unkernelize(model)  # the linears too
+            _unkernelize_layers(model)
+        for plan in fp8_plans.values():  # this call's conversions only, the originals put back
+            undo_fp8_plan(plan)
         raise
     if converted + converted_before:
         counts["FP8Linear"] = converted + converted_before
@@ -311,6 +313,12 @@ def unkernelize(model: torch.nn.Module) -> None:
     other libraries wrapped around a module's forward (diffusers' context-parallel and
     cache hooks, transformers' parallel styles, accelerate's hooks) stay, now around the
     stock forward."""
+    _unkernelize_layers(model)
+    restore_linears(model)
+
+
+def _unkernelize_layers(model: torch.nn.Module) -> None:
+    """unkernelize without the FP8 linears."""
     with _wrappers_set_aside(model, "unkernelize"):
         for module in _hooked(model):
             vars(module).pop("forward", None)
@@ -318,7 +326,6 @@ def unkernelize(model: torch.nn.Module) -> None:
             if not _class_back(module) and hasattr(type(module), "_ltx_host"):
                 # a class another library derived from ours (parametrize, FSDP)
                 module.forward = MethodType(type(module)._ltx_host.forward, module)
-    restore_linears(model)
 
 
 # ---------------------------------------------------------------------------------------
@@ -377,9 +384,17 @@ def _hooked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     seen = set()
     for module in model.modules():
         for hooked in (module, *getattr(module, "_kernel_funcs", {}).values()):
-            if hasattr(type(hooked), "kernel_layer_name") and id(hooked) not in seen:
+            if hasattr(type(hooked), "kernel_layer_name") and id(hooked) not in seen and _in_play(hooked):
                 seen.add(id(hooked))
                 yield hooked
+
+
+def _in_play(module: torch.nn.Module) -> bool:
+    """kernelize binds it (its condition holds), or has bound it (a layer's class, or a
+    forward bound to the instance): a tagged module kernelize leaves alone, and any forward
+    another library installed on it, are left as they are."""
+    return ("_ltx_host" in vars(type(module)) or "_kernel_repo" in vars(module)
+            or type(module).kernel_condition(module))
 
 
 def _running_forward(module: torch.nn.Module):

@@ -358,7 +358,7 @@ class FeedForward(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states, *args, **kwargs):
-        fp8_ff = None if args or kwargs or records_grad(hidden_states) else _fp8_feed_forward(self)
+        fp8_ff = None if args or kwargs or records_grad(hidden_states) else _fp8_feed_forward(self, running=True)
         if fp8_ff is None:
             return _host(self).forward(self, hidden_states, *args, **kwargs)
         return fp8_ff(FP8Rows.quantize(hidden_states))
@@ -695,16 +695,17 @@ def _takes_fp8_rows(attn: nn.Module) -> bool:
             and _stock_ltx_processor_module(attn) is not None and all(_plain_fp8_linear(p) for p in projections))
 
 
-def _fp8_feed_forward(ff: nn.Module):
+def _fp8_feed_forward(ff: nn.Module, running: bool = False):
     """For diffusers' stock ``FeedForward`` in eval mode (``net`` = GELU or GEGLU, dropout,
     linear[, dropout]) whose two projections are plain `FP8Linear`s, its dropouts identities
     and nothing hooked or with another library's forward: a function from the input's
     `FP8Rows` to its output, the activation written as FP8 for the output projection by
-    `gelu_fp8` / `geglu_fp8`. Else None."""
+    `gelu_fp8` / `geglu_fp8`. Else None. ``running``: ff's own forward asks (its hooks and
+    wrappers have run already)."""
     net = getattr(ff, "net", None)
     if (_host(ff).__name__ != "FeedForward" or ff.training
-            or _layer_forward(ff) not in (_host(ff).forward, FeedForward.forward)
-            or not _unhooked(ff) or not isinstance(net, nn.ModuleList) or len(net) not in (3, 4)):
+            or not (running or (_layer_forward(ff) in (_host(ff).forward, FeedForward.forward) and _unhooked(ff)))
+            or not isinstance(net, nn.ModuleList) or len(net) not in (3, 4)):
         return None
     act, proj_out = net[0], net[2]
     proj_in = getattr(act, "proj", None)
