@@ -393,8 +393,8 @@ def _in_play(module: torch.nn.Module) -> bool:
     """kernelize binds it (its condition holds), or has bound it (a layer's class, or a
     forward bound to the instance): a tagged module kernelize leaves alone, and any forward
     another library installed on it, are left as they are."""
-    return ("_ltx_host" in vars(type(module)) or "_kernel_repo" in vars(module)
-            or type(module).kernel_condition(module))
+    condition = getattr(type(module), "kernel_condition", None)  # kernels releases without conditions: none
+    return "_ltx_host" in vars(type(module)) or "_kernel_repo" in vars(module) or condition is None or condition(module)
 
 
 def _running_forward(module: torch.nn.Module):
