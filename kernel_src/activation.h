@@ -13,6 +13,7 @@
 
 #include <limits>
 #include <string>
+#include <utility>
 
 namespace ltx {
 
@@ -117,15 +118,23 @@ void gelu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up,
   activation_detail::run_checked<Backend>("gelu_mul", out, gate, &up, approximate, "gate");
 }
 
+namespace activation_detail {
+
+// geglu's halves of input [..., 2H]: (value, gate).
+inline std::pair<at::Tensor, at::Tensor> geglu_halves(const at::Tensor& input, const char* op) {
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, op,
+              ": input's last dim must be even ([..., 2H]: value then gate), got sizes ", input.sizes());
+  const int64_t h = input.size(-1) / 2;
+  return {input.narrow(-1, 0, h), input.narrow(-1, h, h)};
+}
+
+}  // namespace activation_detail
+
 // out [..., H] = input[..., :H] * gelu(input[..., H:]), input [..., 2H].
 template <class Backend>
 void geglu_out(at::Tensor& out, const at::Tensor& input, const std::string& approximate) {
   constexpr const char* op = "geglu";
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, op,
-              ": input's last dim must be even ([..., 2H]: value then gate), got sizes ", input.sizes());
-  const int64_t h = input.size(-1) / 2;
-  const at::Tensor value = input.narrow(-1, 0, h);
-  const at::Tensor gate = input.narrow(-1, h, h);
+  const auto [value, gate] = activation_detail::geglu_halves(input, op);
   activation_detail::run_checked<Backend>(op, out, gate, &value, approximate);
 }
 
@@ -151,15 +160,10 @@ std::tuple<at::Tensor, at::Tensor> gelu_mul_backward(const at::Tensor& grad, con
 template <class Backend>
 at::Tensor geglu_backward(const at::Tensor& grad, const at::Tensor& input, const std::string& approximate) {
   constexpr const char* op = "geglu_backward";
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, op,
-              ": input's last dim must be even ([..., 2H]: value then gate), got sizes ", input.sizes());
-  const int64_t h = input.size(-1) / 2;
+  const auto [value, gate] = activation_detail::geglu_halves(input, op);
   at::Tensor grad_input = at::empty(input.sizes(), input.options());
-  at::Tensor grad_value = grad_input.narrow(-1, 0, h);
-  at::Tensor grad_gate = grad_input.narrow(-1, h, h);
-  const at::Tensor value = input.narrow(-1, 0, h);
-  activation_detail::run_checked<Backend>(op, grad_gate, input.narrow(-1, h, h), &value, approximate, "input", &grad,
-                                          &grad_value);
+  auto [grad_value, grad_gate] = activation_detail::geglu_halves(grad_input, op);
+  activation_detail::run_checked<Backend>(op, grad_gate, gate, &value, approximate, "input", &grad, &grad_value);
   return grad_input;
 }
 

@@ -333,19 +333,11 @@ std::tuple<at::Tensor, at::Tensor> gelu_fp8(const at::Tensor& gate, const at::Te
   return quantize_rows<Backend>(gate, gate, static_scale, op, source, up, gate_arg);
 }
 
-// geglu's halves of input [..., 2H]: (value, gate), as geglu splits them.
-inline std::pair<at::Tensor, at::Tensor> geglu_halves(const at::Tensor& input, const char* op) {
-  TORCH_CHECK(input.size(-1) % 2 == 0, op,
-              ": input's last dim must be even ([..., 2H]: value then gate), got sizes ", input.sizes());
-  const int64_t h = input.size(-1) / 2;
-  return {input.narrow(-1, 0, h), input.narrow(-1, h, h)};
-}
-
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor> geglu_fp8(const at::Tensor& input, const std::string& approximate,
                                              const at::Tensor* static_scale, const char* op) {
   check_input<Backend>(input, op);
-  const auto [value, gate] = geglu_halves(input, op);
+  const auto [value, gate] = activation_detail::geglu_halves(input, op);
   return gelu_fp8<Backend>(gate, &value, approximate, static_scale, op, "input");
 }
 

@@ -90,7 +90,7 @@ class FP8Linear(torch.nn.Module):
         if x.requires_grad:
             raise RuntimeError("FP8Linear is for inference: its input requires grad (FP8 GEMMs have no "
                                "backward here; run under torch.no_grad() or torch.inference_mode())")
-        self._check(x.shape[-1], x.device, x.dtype)
+        self._check(x.shape[-1], x.device, x.dtype)  # before the quantize pass
         return self._gemm(*FP8Rows.quantize(x))
 
     def _check(self, features: int, device: torch.device, dtype: torch.dtype) -> None:
