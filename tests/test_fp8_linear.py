@@ -102,6 +102,25 @@ def test_fp8_linear_keeps_its_dtypes_through_a_model_cast():
         assert torch.equal(layer(x), want)
 
 
+def test_fp8_linear_on_the_cpu_needs_no_rowwise_scaled_mm(monkeypatch):
+    """Some torch releases' CPU torch._scaled_mm (2.11's oneDNN path) refuses row-wise scales;
+    the CPU layer computes its GEMM without it, within the bound of the dequantized GEMM."""
+    def per_tensor_only(a, b, scale_a, scale_b, **kwargs):
+        if a.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
+            raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+        return scaled_mm(a, b, scale_a, scale_b, **kwargs)
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    torch.manual_seed(0)
+    layer = lki.FP8Linear(torch.nn.Linear(64, 48).to(BF16))
+    x = torch.randn(2, 5, 64, dtype=BF16)
+    with torch.no_grad():
+        y = layer(x)
+    want, bound = dequantized_gemm(layer, x)
+    err = (y.reshape(-1, 48).double() - want).abs()
+    assert bool((err <= bound + want.abs() * 2.0**-8).all()), err.max()
+
+
 def test_fp8_linear_refusals():
     with pytest.raises(ValueError, match="multiples of 16"):
         lki.FP8Linear(torch.nn.Linear(60, 48))

@@ -94,8 +94,8 @@ def test_models_are_chosen_by_name(tmp_path):
 def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
     """The FP8 configurations run on the CPU (FP8Linear's reference path), on heavy-tailed
     inputs: converted linears counted, the output's relative L2 from eager recorded and shown;
-    torchao's where it is installed, else its import error reported in its cells; Qwen3
-    refused by name."""
+    torchao's where it is installed, else its import error (or the refusal of row-wise scales
+    by some torch releases' CPU torch._scaled_mm) reported in its cells; Qwen3 refused by name."""
     bench = load_benchmark()
     out = tmp_path / "e2e.json"
     configs = ",".join(("eager",) + bench.FP8_CONFIGS)
@@ -111,7 +111,8 @@ def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
             "RuntimeError: ValueError: the FP8 configurations are for diffusers models (LTX-Video)"
     for config in ("eager+torchao-fp8", "compile+torchao-fp8"):
         r = by[("LTX-Video", config)]
-        assert (r["error"] is None and r["rel_l2"] > 0) or "torchao" in r["error"], r
+        assert (r["error"] is None and r["rel_l2"] > 0) or "torchao" in r["error"] \
+            or "only supports per-tensor scaling for CPU" in r["error"], r
     table = capsys.readouterr().out
     assert "eager+kernels+fp8 vs eager" in table and " L2 " in table
 

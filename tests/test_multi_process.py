@@ -171,7 +171,8 @@ def test_multi_gpu_benchmark_runs_on_cpu_ranks(tmp_path):
     and the kernelized rows counting replaced modules."""
     out = tmp_path / "multi_gpu.json"
     env = dict(os.environ, WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "benchmarks.e2e.multi_gpu", "--tiny", "--device", "cpu", "--warmup", "0",
                "--repeats", "1", "--checkpoint-dir", str(tmp_path), "--json", str(out)]
     with _build_folder_held(exclusive=False):

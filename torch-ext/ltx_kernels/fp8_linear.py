@@ -10,7 +10,7 @@ Accumulation is fp32 with ``fast_accum=False`` (Hopper's FP8 tensor cores still 
 fewer bits between its fp32 promotions); ``fast_accum=True`` skips those promotions for
 speed. On CUDA it needs a GPU of compute capability 8.9 or newer and bfloat16 inputs (the
 row-wise scaled GEMM's output type); on the CPU any 16- or 32-bit float input (a reference
-path: PyTorch's CPU GEMM, not a fast one).
+path: the fp32 GEMM of the FP8 operands, then the scales, not a fast one).
 """
 
 from typing import List, NamedTuple, Optional, Tuple, Union
@@ -107,8 +107,15 @@ class FP8Linear(torch.nn.Module):
             raise TypeError(f"FP8Linear: FP8Rows take float8_e4m3fn q [..., {self.in_features}] and float32 scales "
                             f"[..., 1], got {q.dtype} {tuple(q.shape)} and {scales.dtype} {tuple(scales.shape)}")
         bias = None if self.bias is None else self.bias.to(dtype)
-        y = torch._scaled_mm(q.reshape(-1, self.in_features), self.weight_fp8.t(), scale_a=scales.reshape(-1, 1),
-                             scale_b=self.weight_scale, bias=bias, out_dtype=dtype, use_fast_accum=self.fast_accum)
+        rows, row_scales = q.reshape(-1, self.in_features), scales.reshape(-1, 1)
+        if q.device.type == "cpu":
+            # The scaled GEMM in fp32, as torch's CPU emulation computes it: the CPU
+            # torch._scaled_mm of some releases (2.11's oneDNN path) refuses row-wise scales.
+            y = (rows.float() @ self.weight_fp8.float().t()) * row_scales * self.weight_scale
+            y = (y if bias is None else y + bias.float()).to(dtype)
+        else:
+            y = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=row_scales, scale_b=self.weight_scale,
+                                 bias=bias, out_dtype=dtype, use_fast_accum=self.fast_accum)
         return y.reshape(*q.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
