@@ -79,3 +79,22 @@ def test_variants_harness_compiles_without_spills(harness, sm, tmp_path):
     cubin, spills = variants_build.build(REPO / "benchmarks" / "tuning" / f"{harness}.cu", sm, tmp_path, check_only=True)
     assert cubin.stat().st_size > 0
     assert spills == []
+
+
+def test_variants_library_is_rebuilt_after_its_sources_change(tmp_path, monkeypatch):
+    """A harness library is taken as it is only while the digest its build wrote matches
+    the sources (its .cu, kernel_src/); a changed header builds it again."""
+    kernel_src = tmp_path / "kernel_src"
+    kernel_src.mkdir()
+    (kernel_src / "norm_forward.cuh").write_text("// v1\n")
+    source = tmp_path / "norm_variants.cu"
+    source.write_text("#include \"norm_forward.cuh\"\n")
+    monkeypatch.setattr(variants_build, "REPO", tmp_path)
+    library = tmp_path / "norm_variants_sm90.so"
+    assert not variants_build.up_to_date(library, source, "90")
+    library.write_bytes(b"")
+    (tmp_path / "norm_variants_sm90.so.sha256").write_text(variants_build.sources_digest(source, "90"))
+    assert variants_build.up_to_date(library, source, "90")
+    assert not variants_build.up_to_date(library, source, "80")
+    (kernel_src / "norm_forward.cuh").write_text("// v2\n")
+    assert not variants_build.up_to_date(library, source, "90")

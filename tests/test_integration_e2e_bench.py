@@ -5,6 +5,7 @@ compile time)."""
 
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -115,6 +116,8 @@ def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
             or "only supports per-tensor scaling for CPU" in r["error"], r
     table = capsys.readouterr().out
     assert "eager+kernels+fp8 vs eager" in table and " L2 " in table
+    # each FP8 configuration's line, printed as it finishes, carries its error too
+    assert re.search(r"/ compile\+kernels\+fp8: [\d.]+ ms \(host [\d.]+ ms\), L2 [\d.]+% from eager\n", table)
 
 
 def test_timeline_merges_overlapping_work_and_counts_the_gaps():

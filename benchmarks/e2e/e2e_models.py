@@ -240,6 +240,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
     """Each configuration's times, and (profile_top > 0) the profile_kernels of one call of
     ``profiled`` in it and its GPU timeline, both keyed "workload / config"."""
     results, eager_outputs, profiles, timelines = [], {}, {}, {}
+    reference_config: Dict[str, str] = {}  # workload -> the configuration of eager_outputs' output
     for config in configs:
         unkernelize(model)
         torch._dynamo.reset()  # each configuration compiles its own graphs
@@ -277,9 +278,11 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                 print(f"  {workload.name} / {config}: {result.error}", flush=True)
             else:
                 first = eager_outputs.setdefault(workload.name, output)
+                reference = reference_config.setdefault(workload.name, config)
                 result.max_abs_diff = (output - first).abs().max().item()
                 result.rel_l2 = ((output - first).norm() / first.norm()).item()
-                print(f"  {workload.name} / {config}: {result.ms:.2f} ms (host {result.host_ms:.2f} ms)", flush=True)
+                l2 = f", L2 {100 * result.rel_l2:.2f}% from {reference}" if config in FP8_CONFIGS else ""
+                print(f"  {workload.name} / {config}: {result.ms:.2f} ms (host {result.host_ms:.2f} ms){l2}", flush=True)
             results.append(result)
         del runner, target
     unkernelize(model)

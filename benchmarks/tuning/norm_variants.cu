@@ -1,15 +1,19 @@
 // Candidate launches of RMSNorm rows (plain, or after a residual add as fused_add_rms_norm;
-// no AdaLN; a weight of the input's dtype or none) beside the production one, built on
-// norm_forward.cuh (the kernels and launch code norm_forward.cu runs), as a torch op library:
+// no AdaLN; a weight of the input's dtype or none), and of rms_norm_fp8's rows (FP8 out, an
+// fp32 scale a row), beside the production one, built on norm_forward.cuh (the kernels and
+// launch code norm_forward.cu runs), as a torch op library:
 //   torch.ops.norm_variants.run(x, weight, out, eps, cast_before_weight, cached, per_thread, block)
 //   torch.ops.norm_variants.run_residual(x, residual, weight, out, residual_out, eps,
 //                                        cast_before_weight, cached, per_thread, block)
+//   torch.ops.norm_variants.run_fp8(x, weight, eps, cast_before_weight, cached, per_thread,
+//                                   block) -> (q, scales)
 // cached = 0 is `launch` (what the package runs). Otherwise `norm_kernel` with `cached`
 // 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
 // covers it at `per_thread` vectors a thread (0: `cached`), and rows sharing blocks of
 // `block` threads (0: a block a row). The kernels' register bounds are production's
 // (bound_threads, bound_min_blocks): a variant tunes the launch, not the kernel.
 // norm_variants.py builds and times them.
+#include "fp8.h"
 #include "norm_forward.cuh"
 
 #include <torch/library.h>
@@ -19,10 +23,11 @@ namespace norm_variants {
 
 using namespace norm_cuda;
 
-template <typename T, int CACHED, bool RESIDUAL>
+template <typename T, typename W, typename O, int CACHED, bool RESIDUAL>
 void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int block) {
   constexpr int V = kVec16<T>;
-  TORCH_CHECK((vectorizable<T, T, T, V>(a)), "norm_variants: 16-byte aligned rows only");
+  using LO = std::conditional_t<kFp8Out<O>, float, O>;  // FP8 rows take the fp32 out's test, as launch does
+  TORCH_CHECK((vectorizable<T, W, LO, V>(a)), "norm_variants: 16-byte aligned rows only");
   constexpr int kMaxThreads = bound_threads(CACHED, RESIDUAL, false);  // the kernel's __launch_bounds__
   const int64_t nvec = a.cols / V;
   const RowLaunch cfg = row_launch(nvec, per_thread > 0 ? per_thread : CACHED, kMaxThreads, block);
@@ -31,16 +36,18 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int 
               " vectors a thread on at most ", kMaxThreads, " threads do not cover ", nvec, " vectors");
   TORCH_CHECK(cfg.block <= kMaxThreads, "norm_variants: blocks of at most ", kMaxThreads, " threads at ", CACHED,
               " vectors a thread");
-  launch_norm_rows(norm_kernel<T, T, T, V, CACHED, NormKind::kRms, RESIDUAL, false>, a, cfg, stream);
+  launch_norm_rows(norm_kernel<T, W, O, V, CACHED, NormKind::kRms, RESIDUAL, false>, a, cfg, stream);
 }
 
-template <typename T, bool RESIDUAL>
+// W, O: the 16-bit rows' (the input's dtype) or rms_norm_fp8's (an fp32 weight, as the op
+// makes it, and the FP8 out).
+template <typename T, typename W, typename O, bool RESIDUAL>
 void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thread, int block) {
   switch (cached) {
-    case 0: return launch<T, T, T, NormKind::kRms, RESIDUAL, false>(a, stream);
-    case 1: return launch_variant<T, 1, RESIDUAL>(a, stream, per_thread, block);
-    case 2: return launch_variant<T, 2, RESIDUAL>(a, stream, per_thread, block);
-    case 4: return launch_variant<T, 4, RESIDUAL>(a, stream, per_thread, block);
+    case 0: return launch<T, W, O, NormKind::kRms, RESIDUAL, false>(a, stream);
+    case 1: return launch_variant<T, W, O, 1, RESIDUAL>(a, stream, per_thread, block);
+    case 2: return launch_variant<T, W, O, 2, RESIDUAL>(a, stream, per_thread, block);
+    case 4: return launch_variant<T, W, O, 4, RESIDUAL>(a, stream, per_thread, block);
     default: TORCH_CHECK(false, "norm_variants: 0, 1, 2 or 4 vectors a thread, not ", cached);
   }
 }
@@ -58,8 +65,33 @@ struct VariantBackend {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
     LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_variants", [&] {
       using T = scalar_t;
-      if (a.residual != nullptr) return launch_any<T, true>(a, stream, cached, per_thread, block);
-      launch_any<T, false>(a, stream, cached, per_thread, block);
+      if (a.residual != nullptr) return launch_any<T, T, T, true>(a, stream, cached, per_thread, block);
+      launch_any<T, T, T, false>(a, stream, cached, per_thread, block);
+    });
+  }
+};
+
+// fp8_detail::rms_norm_fp8 (fp8.h) checks the input, makes the fp32 weight (ones without
+// one), allocates q and the scales and lays out the arguments as the package's op does,
+// then hands them here.
+struct VariantFp8Backend {
+  static constexpr c10::DeviceType device = c10::kCUDA;
+  // fp8.cu's check, which this library does not link
+  static void check_capability(const char* op, c10::Device d) {
+    const int index = d.index() >= 0 ? d.index() : c10::cuda::current_device();
+    const int cc = 10 * device_attribute<cudaDevAttrComputeCapabilityMajor>(index) +
+                   device_attribute<cudaDevAttrComputeCapabilityMinor>(index);
+    TORCH_CHECK(cc >= 89, op, ": FP8 needs a GPU of compute capability 8.9 or newer");
+  }
+  static void run(const NormArgs& a) {
+    TORCH_CHECK(a.out_fp8 && a.residual == nullptr && a.scale.ptr == nullptr && a.fp8_scales != nullptr,
+                "norm_variants: rms_norm_fp8's dynamic rows only");
+    TORCH_INTERNAL_ASSERT(a.weight_fp32 || a.dtype == at::kFloat, "norm_variants: the FP8 rows take an fp32 weight");
+    const c10::cuda::CUDAGuard guard(a.device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
+    LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_variants", [&] {
+      launch_any<scalar_t, float, Fp8E4m3, false>(a, stream, VariantBackend::cached, VariantBackend::per_thread,
+                                                  VariantBackend::block);
     });
   }
 };
@@ -84,6 +116,15 @@ void run_residual(const at::Tensor& x, const at::Tensor& residual, const std::op
                                          cast_before_weight);
 }
 
+// The package's rms_norm_fp8 (weight_offset 0), with the launch the call asks for.
+std::tuple<at::Tensor, at::Tensor> run_fp8(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+                                           bool cast_before_weight, int64_t cached, int64_t per_thread,
+                                           int64_t block) {
+  choose(cached, per_thread, block);
+  return fp8_detail::rms_norm_fp8<VariantFp8Backend>(x, weight, eps, /*weight_offset=*/0.0, cast_before_weight,
+                                                      /*static_scale=*/nullptr, "rms_norm_fp8");
+}
+
 }  // namespace norm_variants
 }  // namespace ltx
 
@@ -92,8 +133,11 @@ TORCH_LIBRARY(norm_variants, m) {
         "int per_thread, int block) -> ()");
   m.def("run_residual(Tensor x, Tensor residual, Tensor? weight, Tensor(a!) out, Tensor(b!) residual_out, "
         "float eps, bool cast_before_weight, int cached, int per_thread, int block) -> ()");
+  m.def("run_fp8(Tensor x, Tensor? weight, float eps, bool cast_before_weight, int cached, int per_thread, "
+        "int block) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(norm_variants, CUDA, m) {
   m.impl("run", &ltx::norm_variants::run);
   m.impl("run_residual", &ltx::norm_variants::run_residual);
+  m.impl("run_fp8", &ltx::norm_variants::run_fp8);
 }

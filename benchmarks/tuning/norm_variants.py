@@ -7,6 +7,7 @@ and each variant's max error against fp64 next to production's.
 
     python -m benchmarks.tuning.norm_variants [--variants 0/0,2/512,4/512] [--shapes fp32|all]
     python -m benchmarks.tuning.norm_variants --shapes residual --variants 0/0,2/0,4/2/0
+    python -m benchmarks.tuning.norm_variants --shapes fp8 [--variants 0/0,2/0,4/256]
 
 A variant is CACHED/BLOCK or CACHED/PER_THREAD/BLOCK: 16-byte vectors a thread of
 `norm_kernel` holds (0: the package's launch), the vectors a thread the row's threads are
@@ -14,6 +15,14 @@ counted for (default CACHED) and the threads of a block that rows share (0: a bl
 nvcc against this python's torch into .build-cache/norm_variants (sm of the GPU only) and
 loaded as a torch op library. Tune a launch here, then port the winner into
 norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package build.
+
+`--shapes fp8` (compute capability 8.9 or newer) times rms_norm_fp8's rows (FP8 out, an fp32
+scale a row; its argument layout, the fp32 weight, is the package op's) at the model shapes,
+beside the package's op as users call it, torch.compile of the PyTorch code (bench_fp8's) and
+quantize_fp8 of the same input (a bandwidth yardstick); each variant's (q, scales) against
+the production launch's: the share of q's bytes that differ and the scales' largest relative
+difference (another summation order may move y by an ulp and flip a rare rounding; over
+MAX_Q_DIFFER or MAX_SCALE_DIFFER it is marked and not timed).
 """
 
 import argparse
@@ -22,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from benchmarks.ops import bench_ops
+from benchmarks.ops import bench_fp8, bench_ops
 from benchmarks.tuning.variants_build import load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,8 +47,23 @@ SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float3
           # fused_add_rms_norm (weighted, Llama's order): decode steps and prefill batches
           # over the LLM widths where compile's fused add + norm is the peer to beat.
           "residual": [(rows, d, torch.bfloat16, True) for rows in (1, 8192)
-                       for d in (4096, 5120, 6144, 7168, 8192)]}
+                       for d in (4096, 5120, 6144, 7168, 8192)],
+          # rms_norm_fp8: LTX-Video's tokens (batch 2 at 49 frames; diffusers' norm has no
+          # weight), its 2 x 2688 tokens, and LLM prefills
+          "fp8": [(2 * 21504, 2048, torch.bfloat16, False), (2 * 21504, 2048, torch.bfloat16, True),
+                  (8192, 4096, torch.bfloat16, True), (5376, 2048, torch.bfloat16, True),
+                  (32768, 4096, torch.bfloat16, True)]}
 SMALL_SETS = 192  # rotated input sets at most (as the sweep): decode rows would want thousands
+EPS = 1e-6
+DEFAULT_VARIANTS = "0/0,2/0,2/512,2/1024,4/0,4/256,4/512,4/1024,1/0,1/256"
+# FP8 rows: production runs D = 2048 (bf16) at four vectors a thread, a 64-thread block a row;
+# D = 4096 below 64 rows an SM in the two-vector row kernel (256 threads a row), above at four
+# (128). Against it, wider rows (two or one vectors a thread) and rows sharing blocks; rows
+# of 32 threads or fewer (4/8/...) share blocks of 128 whatever the block asked.
+FP8_VARIANTS = "0/0,2/0,2/256,2/512,4/0,4/128,4/256,4/512,1/0,4/8/0"
+# A variant's FP8 rows against production's: an ulp of y flips a rounding now and then, a
+# different kernel order more often than that.
+MAX_Q_DIFFER, MAX_SCALE_DIFFER = 1e-3, 1e-6
 
 
 def reference(ltx, weighted):
@@ -49,8 +73,8 @@ def reference(ltx, weighted):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="0/0,2/0,2/512,2/1024,4/0,4/256,4/512,4/1024,1/0,1/256")
-    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "all"], default="fp32")
+    parser.add_argument("--variants", help=f"default {DEFAULT_VARIANTS}; with --shapes fp8 {FP8_VARIANTS}")
+    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "fp8", "all"], default="fp32")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
@@ -58,14 +82,18 @@ def main():
     from kernels import get_local_kernel
 
     ltx = get_local_kernel(REPO)  # for its reference module
+    if args.shapes == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        raise SystemExit("--shapes fp8 needs a GPU of compute capability 8.9 or newer")
     bandwidth = harness.copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
+    if args.shapes == "fp8":
+        return fp8_rows(ltx, (args.variants or FP8_VARIANTS).split(","), bandwidth, args.reps)
+    variants = (args.variants or DEFAULT_VARIANTS).split(",")
     residual_rows = args.shapes == "residual"
     liger = bench_ops.load_libraries(on_cuda=True).attr("liger", "LigerFusedAddRMSNormFunction")
 
     def variant(spec):
-        cached, *launch = (int(v) for v in spec.split("/"))
-        per_thread, block = launch if len(launch) == 2 else (0, launch[0])
+        cached, per_thread, block = parse_variant(spec)
 
         def factory(inputs):
             # cast_before_weight: the Llama order, as bench_ops calls the weighted rows
@@ -104,7 +132,7 @@ def main():
         else:
             expected = reference(ltx, weighted)(*[t.double() for t in first if t is not None])
         impls = [("compile", compiled(weighted))]
-        impls += [(spec, variant(spec)) for spec in args.variants.split(",")]
+        impls += [(spec, variant(spec)) for spec in variants]
         if residual_rows and liger is not None:  # last: it may write its sum into the residual
             impls.append(("liger", lambda inputs: (lambda: liger.apply(*inputs, 1e-6, 0.0, "llama"))))
         print(f"\n{rows}x{d} {str(dtype)[6:]}{'' if weighted else ' no weight'}"
@@ -124,6 +152,77 @@ def main():
                 skipped[name] = f"WRONG RESULT (max error {err:.1e}, production's {errors['0/0']:.1e})"
         notes = {name: f"  err {err:.1e}" for name, err in errors.items()}
         harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="compile", notes=notes)
+
+
+def parse_variant(spec):
+    """CACHED/BLOCK or CACHED/PER_THREAD/BLOCK as (cached, per_thread, block)."""
+    cached, *launch = (int(v) for v in spec.split("/"))
+    per_thread, block = launch if len(launch) == 2 else (0, launch[0])
+    return cached, per_thread, block
+
+
+def fp8_reference(x, w):
+    """rms_norm_fp8 in PyTorch, as bench_fp8 writes it: the norm in fp32, then the per-row
+    quantizer."""
+    w = None if w is None else w.float()
+    return bench_fp8.quantize(torch.nn.functional.rms_norm(x.float(), x.shape[-1:], w, EPS))
+
+
+def fp8_rows(ltx, variants, bandwidth, reps):
+    """The --shapes fp8 rows: rms_norm_fp8 (cast_before_weight off, its default and
+    bench_fp8's) at each launch in `variants`, against production's launch (0/0), the
+    package's op, compile and quantize_fp8."""
+    run_fp8 = torch.ops.norm_variants.run_fp8
+    compiled = torch.compile(fp8_reference, dynamic=False)
+
+    def variant(spec):
+        cached, per_thread, block = parse_variant(spec)
+        # the fp32 weight: the op's arguments, without its conversion kernel in every call
+        return lambda inputs: (lambda: run_fp8(inputs[0], inputs[2], EPS, False, cached, per_thread, block))
+
+    for rows, d, dtype, weighted in SHAPES["fp8"]:
+        def inputs():
+            x = torch.randn(rows, d, device="cuda", dtype=dtype)
+            w = (1 + 0.1 * torch.randn(d, device="cuda", dtype=dtype)) if weighted else None
+            # what rms_norm_fp8 makes of w every call (ones without one: the same arguments)
+            w32 = w.float() if weighted else torch.ones(d, device="cuda")
+            return x, w, w32
+
+        first = inputs()
+        x_bytes = first[0].numel() * first[0].element_size()
+        # 16-bit rows in, a byte an element and an fp32 scale a row out, the fp32 weight read
+        nbytes = x_bytes + first[0].numel() + 4 * rows + 4 * d
+        sets = [first] + [inputs() for _ in range(harness.copies_for_cold_l2(x_bytes, cap=SMALL_SETS) - 1)]
+        impls = [("compile", lambda t: (lambda: compiled(t[0], t[1])))]
+        impls += [(spec, variant(spec)) for spec in variants]
+        if hasattr(ltx, "rms_norm_fp8"):  # the op as users call it (bench_fp8's): w converted in it
+            impls.append(("ltx op", lambda t: (lambda: ltx.rms_norm_fp8(t[0], t[1], EPS))))
+        if hasattr(ltx, "quantize_fp8"):
+            impls.append(("quantize", lambda t: (lambda: ltx.quantize_fp8(t[0]))))
+        print(f"\nrms_norm_fp8 {rows}x{d} {str(dtype)[6:]}{'' if weighted else ' no weight'}, "
+              f"{nbytes / 1e6:.3f} MB, {len(sets)} sets")
+        q0, s0 = variant("0/0")(first)()
+        q0 = q0.view(torch.uint8)
+        notes, skipped = {"quantize": "  (x alone: the yardstick)"}, {}
+        for name, factory in impls:
+            if name == "quantize":
+                continue
+            try:
+                q, s = factory(first)()
+            except RuntimeError as error:
+                skipped[name] = str(error).splitlines()[0]
+                continue
+            differ = torch.count_nonzero(q.view(torch.uint8) != q0).item() / q0.numel()
+            ratio = (s.double() / s0.double() - 1).abs().max().item()  # NaN (marked) where a row's is
+            if differ == 0 and torch.equal(s, s0):
+                notes[name] = "  same bits as 0/0"
+            else:
+                notes[name] = f"  vs 0/0: q {differ:.1e} of bytes differ, scales {ratio:.1e} relative"
+            if name in variants and not (differ <= MAX_Q_DIFFER and ratio <= MAX_SCALE_DIFFER):
+                skipped[name] = f"DIFFERS FROM 0/0 (q {differ:.1e} of bytes, scales {ratio:.1e} relative)"
+        del q0, s0
+        peer = "0/0" if "0/0" in variants and "0/0" not in skipped else "compile"
+        harness.time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer=peer, notes=notes)
 
 
 if __name__ == "__main__":
