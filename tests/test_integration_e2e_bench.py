@@ -113,7 +113,7 @@ def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
     for config in ("eager+torchao-fp8", "compile+torchao-fp8"):
         r = by[("LTX-Video", config)]
         assert (r["error"] is None and r["rel_l2"] > 0) or "torchao" in r["error"] \
-            or "only supports per-tensor scaling for CPU" in r["error"], r
+            or "scale_a.numel() == 1 && scale_b.numel() == 1" in r["error"], r  # cells keep 200 characters
     table = capsys.readouterr().out
     assert "eager+kernels+fp8 vs eager" in table and " L2 " in table
     # each FP8 configuration's line, printed as it finishes, carries its error too
