@@ -41,6 +41,13 @@ def assert_bits(got, want):
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=0, atol=0, equal_nan=True)
 
 
+def assert_quantizes(q, scales, y):
+    """(q, scales) are reference_quantize's of the fp32 rows y, bit for bit."""
+    want_q, want_scales = reference_quantize(y)
+    assert_bits(q, want_q)
+    assert_bits(scales, want_scales)
+
+
 def e4m3_step(m: torch.Tensor) -> torch.Tensor:
     """The spacing of e4m3 values around |m| (subnormals below 2^-6: 2^-9)."""
     exponent = torch.floor(torch.log2(m.abs().clamp(min=2.0**-6)))
@@ -85,9 +92,7 @@ def test_quantize_fp8(kernel, fp8_device, shape, dtype):
     x = make(shape, dtype, fp8_device)
     q, scales = kernel.quantize_fp8(x)
     assert q.is_contiguous() and scales.dtype == torch.float32 and scales.shape == (*shape[:-1], 1)
-    want_q, want_scales = reference_quantize(x.float())
-    assert_bits(q, want_q)
-    assert_bits(scales, want_scales)
+    assert_quantizes(q, scales, x.float())
     assert_within_one_step(q, scales, x.double())
 
 
@@ -105,9 +110,7 @@ def test_rms_norm_fp8(kernel, fp8_device, shape, dtype, weight, cast_before_weig
         w = w - 1.0
     q, scales = kernel.rms_norm_fp8(x, w, 1e-6, weight_offset=offset, cast_before_weight=cast_before_weight)
     y = rms_fp32(kernel, x, w, 1e-6, offset, cast_before_weight)
-    want_q, want_scales = reference_quantize(y)
-    assert_bits(q, want_q)
-    assert_bits(scales, want_scales)
+    assert_quantizes(q, scales, y)
     assert_within_one_step(q, scales, rms64(x, w, 1e-6, offset, cast_before_weight))
 
 
@@ -157,9 +160,7 @@ def test_adaln_fp8(kernel, fp8_device, case, dtype, norm):
     assert q.dtype == FP8 and q.is_contiguous() and q.shape == x.shape and scales.shape == (*x.shape[:-1], 1)
     y = adaln_fp32(kernel, fp8_device, dtype, x, scale, shift, 1e-6, norm)
     if y is not None:
-        want_q, want_scales = reference_quantize(y)
-        assert_bits(q, want_q)
-        assert_bits(scales, want_scales)
+        assert_quantizes(q, scales, y)
     assert_within_one_step(q, scales, adaln64(x, scale, shift, 1e-6, norm))
     fixed = torch.tensor([0.01], device=fp8_device)
     q_static, s = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm, fp8_scale=fixed)
@@ -206,9 +207,7 @@ def test_gated_residual_adaln_fp8(kernel, fp8_device, case, dtype, norm):
     assert q.dtype == FP8 and q.is_contiguous() and q.shape == x.shape and scales.shape == (*x.shape[:-1], 1)
     y = out if dtype == torch.float32 else adaln_fp32(kernel, fp8_device, dtype, h, scale, shift, 1e-6, norm)
     if y is not None:
-        want_q, want_scales = reference_quantize(y)
-        assert_bits(q, want_q)
-        assert_bits(scales, want_scales)
+        assert_quantizes(q, scales, y)
     assert_within_one_step(q, scales, adaln64(h, scale, shift, 1e-6, norm))
     fixed = torch.tensor([0.01], device=fp8_device)
     h_static, q_static, s = kernel.gated_residual_adaln_fp8(residual, x, gate, scale, shift, 1e-6, norm=norm,
@@ -255,9 +254,7 @@ def test_gelu_fp8(kernel, fp8_device, case, dtype, approximate):
     (q, scales), _ = gelu_call(kernel, form, x, up, approximate)
     _, y = gelu_call(kernel, form, x.float(), None if up is None else up.float(), approximate)
     assert q.dtype == FP8 and q.is_contiguous() and q.shape == y.shape and scales.shape == (*y.shape[:-1], 1)
-    want_q, want_scales = reference_quantize(y)
-    assert_bits(q, want_q)
-    assert_bits(scales, want_scales)
+    assert_quantizes(q, scales, y)
     if form == "gelu":
         y64 = gelu64(x, approximate)
     elif form == "gelu_mul":
@@ -282,9 +279,7 @@ def test_gelu_fp8_strided_and_misaligned(kernel, fp8_device, dtype):
                      (flat[1:1 + 640].view(2, 5, 64), flat[700:1340].view(2, 5, 64)),
                      (flat[:640].view(2, 5, 64), flat[641:1281].view(2, 5, 64))):  # up alone misaligned
         q, scales = kernel.gelu_mul_fp8(gate, up, "tanh")
-        want_q, want_scales = reference_quantize(kernel.gelu_mul(gate.float(), up.float(), "tanh"))
-        assert_bits(q, want_q)
-        assert_bits(scales, want_scales)
+        assert_quantizes(q, scales, kernel.gelu_mul(gate.float(), up.float(), "tanh"))
 
 
 def test_gelu_fp8_refusals(kernel, fp8_device):
@@ -336,9 +331,7 @@ def edge_rows(device):
 def test_quantize_fp8_edge_rows(kernel, fp8_device, dtype):
     x = edge_rows(fp8_device).to(dtype)
     q, scales = kernel.quantize_fp8(x)
-    want_q, want_scales = reference_quantize(x.float())
-    assert_bits(q, want_q)
-    assert_bits(scales, want_scales)
+    assert_quantizes(q, scales, x.float())
     # what the rows mean: a zero row's scale, a saturated maximum, NaN and inf rows
     assert scales[0].item() == pytest.approx(1e-12 / E4M3_MAX) and (q[0].float() == 0).all()
     if dtype != torch.float16:  # fp16 holds 1e30 as inf
@@ -355,9 +348,7 @@ def test_rms_norm_fp8_edge_rows(kernel, fp8_device, dtype):
     x = edge_rows(fp8_device).to(dtype)
     w = torch.randn(64, device=fp8_device, dtype=dtype)
     q, scales = kernel.rms_norm_fp8(x, w, 1e-6)
-    want_q, want_scales = reference_quantize(rms_fp32(kernel, x, w, 1e-6, 0.0, False))
-    assert_bits(q, want_q)
-    assert_bits(scales, want_scales)
+    assert_quantizes(q, scales, rms_fp32(kernel, x, w, 1e-6, 0.0, False))
 
 
 @pytest.mark.kernels_ci
@@ -371,9 +362,7 @@ def test_views_3d_strided_and_misaligned(kernel, fp8_device, dtype):
                                                          rms_fp32(kernel, x, None, 1e-5, 0.0, False))):
             q, scales = op(x)
             assert q.shape == x.shape and q.is_contiguous() and scales.shape == (2, 5, 1)
-            want_q, want_scales = reference_quantize(y)
-            assert_bits(q, want_q)
-            assert_bits(scales, want_scales)
+            assert_quantizes(q, scales, y)
 
 
 @pytest.mark.kernels_ci
