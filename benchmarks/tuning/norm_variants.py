@@ -78,6 +78,7 @@ def main():
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
+    bench_ops.configure_dynamo()  # a shape past dynamo's recompile limit would time eager code as compile's
     run, run_residual = torch.ops.norm_variants.run, torch.ops.norm_variants.run_residual
     from kernels import get_local_kernel
 
@@ -111,7 +112,7 @@ def main():
         return reference(ltx, True)(h, w), h
 
     def compiled(weighted):
-        fn = torch.compile(fused_add if residual_rows else reference(ltx, weighted), dynamic=False)
+        fn = bench_ops.compiled(fused_add if residual_rows else reference(ltx, weighted), "inductor")
         return lambda inputs: (lambda: fn(*[t for t in inputs if t is not None]))
 
     shapes = SHAPES["fp32"] + SHAPES["bf16"] if args.shapes == "all" else SHAPES[args.shapes]
@@ -143,7 +144,7 @@ def main():
                 got = factory(first)()
                 got = got[0] if isinstance(got, tuple) else got  # (y, h) of the residual rows' peers
                 errors[name] = (got.double() - expected).abs().max().item()
-            except RuntimeError as error:
+            except RuntimeError as error:  # CompileFellBack too: a compile peer run eagerly
                 skipped[name] = str(error).splitlines()[0]
         # A variant that computes something else (over 4x production's error) is not timed.
         limit = 4 * errors["0/0"] + 1e-6 if "0/0" in errors else float("inf")
@@ -173,7 +174,7 @@ def fp8_rows(ltx, variants, bandwidth, reps):
     bench_fp8's) at each launch in `variants`, against production's launch (0/0), the
     package's op, compile and quantize_fp8."""
     run_fp8 = torch.ops.norm_variants.run_fp8
-    compiled = torch.compile(fp8_reference, dynamic=False)
+    compiled = bench_ops.compiled(fp8_reference, "inductor")
 
     def variant(spec):
         cached, per_thread, block = parse_variant(spec)
