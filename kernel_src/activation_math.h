@@ -31,29 +31,51 @@ inline float select(bool c, float a, float b) {
 
 constexpr float kRoundShift = 12582912.f;  // 1.5 * 2^23: x + it holds round(x) in its low bits
 
-// 2^r * 2^n for |r| <= 1/2, n in [-252, 254] read from the low bits of shifted = n +
-// kRoundShift. 2^r is its Taylor polynomial of degree 7 (truncation under 4e-9 relative),
-// 2^n two exponent-field factors, so that a subnormal result rounds once and one out of
-// range is 0 or inf. Over a scan of the floats: within 1.2 ulps of 2^x (e^x: 1.4).
-inline float pow2_scaled(float r, float shifted) {
-  constexpr float kC[] = {1.f, 6.931471805599453e-01f, 2.402265069591007e-01f, 5.550410866482158e-02f,
-                          9.618129107628477e-03f, 1.333355814642844e-03f, 1.540353039338161e-04f,
-                          1.525273380405984e-05f};  // ln(2)^k / k!
-  float p = kC[7];
-  for (int k = 6; k >= 0; --k) p = p * r + kC[k];
+// 2^r's Taylor coefficients, ln(2)^k / k!: degree 7, truncation under 4e-9 relative for
+// |r| <= 1/2.
+constexpr float kPow2Taylor[] = {1.f, 6.931471805599453e-01f, 2.402265069591007e-01f, 5.550410866482158e-02f,
+                                 9.618129107628477e-03f, 1.333355814642844e-03f, 1.540353039338161e-04f,
+                                 1.525273380405984e-05f};
+
+// Horner steps of 2^r's polynomial, coefficients HI down to LO, from p (the value of those
+// above HI): in parts, so that a CPU twin can give each a pass.
+template <int HI, int LO>
+inline float pow2_poly(float p, float r) {
+  for (int k = HI; k >= LO; --k) p = p * r + kPow2Taylor[k];
+  return p;
+}
+
+// p * 2^n, n in [-252, 254] read from the low bits of shifted = n + kRoundShift, as two
+// exponent-field factors, so that a subnormal result rounds once and one out of range is 0
+// or inf.
+inline float times_pow2(float p, float shifted) {
   const uint32_t n = std::bit_cast<uint32_t>(shifted) - std::bit_cast<uint32_t>(kRoundShift);
   const uint32_t half = static_cast<uint32_t>(static_cast<int32_t>(n) >> 1);  // floor(n / 2)
   return p * std::bit_cast<float>((half + 127u) << 23) * std::bit_cast<float>((n - half + 127u) << 23);
+}
+
+// 2^r * 2^n for |r| <= 1/2 (n as times_pow2 reads it). Over a scan of the floats: within 1.2
+// ulps of 2^x (e^x: 1.4).
+inline float pow2_scaled(float r, float shifted) {
+  return times_pow2(pow2_poly<6, 0>(kPow2Taylor[7], r), shifted);
 }
 
 inline float clamp(float x, float lo, float hi) {  // NaN compares false and stays NaN
   return select(x > hi, hi, select(x < lo, lo, x));
 }
 
-inline float exp2(float x) {
+// exp2's first half: x clamped and split as n + r, |r| <= 1/2, n held in shifted's low
+// bits; pow2_scaled(r, shifted) is 2^x. Apart, so that a CPU twin can give each a pass.
+inline float exp2_reduce(float x, float& shifted) {
   x = clamp(x, -252.f, 254.f);
-  const float shifted = x + kRoundShift;
-  return pow2_scaled(x - (shifted - kRoundShift), shifted);
+  shifted = x + kRoundShift;
+  return x - (shifted - kRoundShift);
+}
+
+inline float exp2(float x) {
+  float shifted;
+  const float r = exp2_reduce(x, shifted);
+  return pow2_scaled(r, shifted);
 }
 
 inline float exp(float x) {
@@ -81,6 +103,11 @@ LTX_HOST_DEVICE float exp2_approx(float x) {
 
 constexpr float kHalfLog2e = 0.72134752044448170f;  // log2(e) / 2: e^(-x^2/2) = 2^(-kHalfLog2e x^2)
 
+#if !defined(__CUDA_ARCH__)
+// Phi(x) from lower = Phi(-|x|): normal_cdf's last step on the host.
+inline float normal_cdf_from_tail(float x, float lower) { return host_math::select(x < 0.f, lower, 1.f - lower); }
+#endif
+
 // Phi(x), the standard normal CDF (exact GELU is x * Phi(x)), without erf. For t = |x|,
 // Phi(-t) = 2^(-kHalfLog2e t^2 + Q(t)) with Q = log2(erfcx(t / sqrt 2) / 2) smooth enough
 // for one polynomial on [0, 6] (tools/fit_normal_cdf.py): eleven FMAs and one exp2, no
@@ -91,7 +118,16 @@ constexpr float kHalfLog2e = 0.72134752044448170f;  // log2(e) / 2: e^(-x^2/2) =
 // 1e-9 there), while the t^2 term still takes it to 0. The multiply-adds are written
 // plainly: nvcc contracts them to FMAs, where std::fma is a software routine on a host
 // compiled without FMA (a 7x slower CPU twin).
-LTX_HOST_DEVICE float normal_cdf(float x) {
+//
+// The CPU twins evaluate it in parts, a pass each (a loop holding the whole chain waits on
+// its latency): kUpperQ is Q's Horner value down to coefficient kSplit, kTail goes on from it
+// (q_upper) to the exponent, log2 Phi(-|x|), which exp2 and normal_cdf_from_tail finish.
+// Parts of one function, not functions of their own: with the polynomial in a function of
+// its own, nvcc compiles its first step to a multiply and a subtract instead of an FMA,
+// other bits on the GPU.
+enum class CdfPart { kWhole, kUpperQ, kTail };
+template <CdfPart PART = CdfPart::kWhole>
+LTX_HOST_DEVICE float normal_cdf(float x, float q_upper = 0.f) {
   constexpr float kQ[] = {-9.999996424e-01f, -1.151119351e+00f, 2.622302771e-01f,  -5.271166191e-02f,
                           7.299972698e-03f,  -2.607100469e-04f, -1.642475836e-04f, 4.527329293e-05f,
                           -5.938421509e-06f, 4.146658341e-07f,  -1.231696611e-08f};
@@ -102,14 +138,20 @@ LTX_HOST_DEVICE float normal_cdf(float x) {
 #else
   const float t_fit = host_math::select(t < 6.f, t, 6.f);  // fmin(t, 6), NaN giving 6
 #endif
-  float q = kQ[kDegree];
+  constexpr int kSplit = 5;  // kUpperQ and kTail take five Horner steps each: even passes
+  constexpr int kFirst = PART == CdfPart::kTail ? kSplit - 1 : kDegree - 1;
+  constexpr int kLast = PART == CdfPart::kUpperQ ? kSplit : 0;
+  float q = PART == CdfPart::kTail ? q_upper : kQ[kDegree];
 #pragma unroll
-  for (int k = kDegree - 1; k >= 0; --k) q = q * t_fit + kQ[k];
-  const float lower = exp2_approx(-kHalfLog2e * (t * t) + q);  // Phi(-t); NaN stays NaN
+  for (int k = kFirst; k >= kLast; --k) q = q * t_fit + kQ[k];
+  if constexpr (PART == CdfPart::kUpperQ) return q;
+  const float tail = -kHalfLog2e * (t * t) + q;
+  if constexpr (PART == CdfPart::kTail) return tail;
+  const float lower = exp2_approx(tail);  // Phi(-t); NaN stays NaN
 #if defined(__CUDA_ARCH__)
   return x < 0.f ? lower : 1.f - lower;
 #else
-  return host_math::select(x < 0.f, lower, 1.f - lower);
+  return normal_cdf_from_tail(x, lower);
 #endif
 }
 
