@@ -485,7 +485,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (--cpu)")
     parser.add_argument("--remeasure-passes", type=int, default=3,
                         help=f"--cpu: times to run again the cells timed while other processes took over "
-                        f"{QUIET_LOAD:.0%} of the CPU (0: none)")
+                        f"{QUIET_LOAD:.0%}% of the CPU (0: none)")
     parser.add_argument("--quiet-wait-s", type=float, default=1200,
                         help="--cpu: how long, in all, to wait for a quiet machine before those cells")
     parser.add_argument("--resume", type=Path, help="an earlier run's sweep.json: run the plan's cells it lacks, "

@@ -294,8 +294,8 @@ class GEGLU(nn.Module):
     @_or_host
     def forward(self, hidden_states, *args, **kwargs):
         if args or kwargs.get("scale") is not None or hidden_states.is_cpu:
-            # the host warns about `scale`; on the CPU PyTorch's erf GELU outruns the twin's
-            # fitted Phi (docs/performance.md, the CPU twins)
+            # the host warns about `scale`; on the CPU the host's: in fp32 PyTorch's erf GELU
+            # is level with the twin's fitted Phi (docs/performance.md, the CPU twins)
             return _host(self).forward(self, hidden_states, *args, **kwargs)
         hidden_states = self.proj(hidden_states)
         if not _rows(hidden_states):
