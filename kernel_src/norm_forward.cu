@@ -38,7 +38,7 @@ void run_norm_cuda(const NormArgs& a) {
   LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm", [&] {
     using T = scalar_t;
     if (!a.normed) {  // the gated residual alone: the residual add, no norm (KIND unused)
-      return launch<T, T, T, NormKind::kRms, true, false, /*NORMED=*/false>(a, stream);
+      return norm_cuda::launch_gated_residual<T>(a, stream);
     }
     if (a.out_fp8) return run_fp8<T>(a, stream);
     if (a.scale.ptr != nullptr) {  // AdaLN, after a gated residual or not

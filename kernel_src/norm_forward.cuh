@@ -100,10 +100,9 @@ struct NormParams<T, W, Fp8E4m3> : NormParams<T, W, uint8_t> {
 constexpr int bound_threads(int cached, bool residual, bool modulate) {
   return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
 }
-// Whether an instantiation's write takes a weight: AdaLN has none, and the gated residual
-// alone (not NORMED) stops after the row's sum. Without one, a one-vector row fits 32
-// registers.
-__host__ __device__ constexpr bool writes_weight(bool normed, bool modulate) { return !modulate && normed; }
+// Whether an instantiation's write takes a weight: AdaLN has none. Without one, a one-vector
+// row fits 32 registers.
+__host__ __device__ constexpr bool writes_weight(bool modulate) { return !modulate; }
 // LayerNorm's residual rows also make their first element (the mean's offset) ahead of
 // the sum: in 32 registers they spill, so they take the weighted rows' bound.
 // FP8 outputs (FP8) recompute y for the row's amax and convert (emulated on sm_80): at the
@@ -132,14 +131,10 @@ __device__ __forceinline__ float normed_value(float x, float mean, float rstd, b
   return y;
 }
 
-// NORMED: the norm follows the residual add; without it (the gated residual alone) the row
-// stops at residual_out and KIND is unused.
-template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE,
-          bool NORMED = true>
+template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
-                                  bound_min_blocks(CACHED, writes_weight(NORMED, MODULATE),
-                                                   NORMED && KIND == NormKind::kLayer && RESIDUAL, kFp8Out<O>,
-                                                   RESIDUAL))
+                                  bound_min_blocks(CACHED, writes_weight(MODULATE),
+                                                   KIND == NormKind::kLayer && RESIDUAL, kFp8Out<O>, RESIDUAL))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   if constexpr (kFp8Out<O> && !kFp8Arch) {
     __trap();
@@ -199,7 +194,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
   // AdaLN takes no weight (launch asserts it): without the weight's registers its
   // four-vector kernel holds 62-63 registers, not 69-72 (sm_90; docs/decisions.md).
-  constexpr bool kWeighted = writes_weight(NORMED, MODULATE);
+  constexpr bool kWeighted = writes_weight(MODULATE);
   const bool weighted = kWeighted && p.weight != nullptr;
   // One vector a thread, two or, in plain RMSNorm, four with a weight of 16-byte vectors (or,
   // on sm_90, AdaLN RMS's 16-bit scale and shift): the write operands of the cached vectors
@@ -236,7 +231,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // them, the cached vectors' sums are stored only after the first reduction, whose
   // barrier (shuffles within a warp) follows every thread's read.
   constexpr bool kSquareFirst = KIND == NormKind::kRms;
-  constexpr bool kShifted = NORMED && KIND == NormKind::kLayer;
+  constexpr bool kShifted = KIND == NormKind::kLayer;
   constexpr bool kStoreLate = kShifted && RESIDUAL;
 #pragma unroll
   for (int k = 0; k < CACHED; ++k) {
@@ -266,113 +261,109 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     if constexpr (std::is_same_v<T, float>) add_compensated(acc, compensation, term);
     else acc += term;
   }
-  if constexpr (!NORMED) {
-    return;  // the gated residual alone: residual_out is the result
-  } else {
-    float mean = 0.f;
-    float sum_sq = row_sum(acc, threads_per_row, scratch[0]);
-    if constexpr (kStoreLate) {
+  float mean = 0.f;
+  float sum_sq = row_sum(acc, threads_per_row, scratch[0]);
+  if constexpr (kStoreLate) {
 #pragma unroll
-      for (int k = 0; k < CACHED; ++k) {
-        const int i = t + k * threads_per_row;
-        if (active && i < nvec) store_vec<T, VEC>(res_out, i, cached[k]);
-      }
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (active && i < nvec) store_vec<T, VEC>(res_out, i, cached[k]);
     }
-    if constexpr (KIND == NormKind::kLayer) {
-      mean = first + sum_sq * p.inv_cols;
-      acc = 0.f, compensation = 0.f;
+  }
+  if constexpr (KIND == NormKind::kLayer) {
+    mean = first + sum_sq * p.inv_cols;
+    acc = 0.f, compensation = 0.f;
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (active && i < nvec) acc += sum_of(cached[k], mean, true);
+    }
+    for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
+      const float term = sum_of(load_vec<T, VEC>(reread, i), mean, true);
+      if constexpr (std::is_same_v<T, float>) add_compensated(acc, compensation, term);
+      else acc += term;
+    }
+    sum_sq = row_sum(acc, threads_per_row, scratch[1]);
+  }
+  if constexpr (kFp8Out<O>) {
+    // The FP8 output (no statistics: launch asserts it); inactive threads take part in
+    // the amax reduction. Its write operands load again at use (L1), not from the preloads.
+    const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+    const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
+      float wf[VEC] = {}, scf[VEC] = {}, shf[VEC] = {};
+      to_floats(v, f);
+      if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
+      if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        f[j] = normed_value<T, MODULATE>(f[j], mean, rstd, p.cast_before_weight, weighted, p.weight_offset,
+                                         wf[j], scf[j], shf[j]);
+      }
+    };
+    const auto each_vec = [&](auto&& take) {
 #pragma unroll
       for (int k = 0; k < CACHED; ++k) {
         const int i = t + k * threads_per_row;
-        if (active && i < nvec) acc += sum_of(cached[k], mean, true);
+        if (active && i < nvec) take(cached[k], i);
       }
       for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-        const float term = sum_of(load_vec<T, VEC>(reread, i), mean, true);
-        if constexpr (std::is_same_v<T, float>) add_compensated(acc, compensation, term);
-        else acc += term;
+        take(load_vec<T, VEC>(reread, i), i);
       }
-      sum_sq = row_sum(acc, threads_per_row, scratch[1]);
-    }
-    if constexpr (kFp8Out<O>) {
-      // The FP8 output (no statistics: launch asserts it); inactive threads take part in
-      // the amax reduction. Its write operands load again at use (L1), not from the preloads.
-      const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
-      const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
-        float wf[VEC] = {}, scf[VEC] = {}, shf[VEC] = {};
-        to_floats(v, f);
-        if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
-        if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          f[j] = normed_value<T, MODULATE>(f[j], mean, rstd, p.cast_before_weight, weighted, p.weight_offset,
-                                           wf[j], scf[j], shf[j]);
-        }
-      };
-      const auto each_vec = [&](auto&& take) {
-#pragma unroll
-        for (int k = 0; k < CACHED; ++k) {
-          const int i = t + k * threads_per_row;
-          if (active && i < nvec) take(cached[k], i);
-        }
-        for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-          take(load_vec<T, VEC>(reread, i), i);
-        }
-      };
-      __shared__ float amax_scratch[32];
-      const float fp8_scale =
-          row_fp8_scale<VEC>(y_of, each_vec, threads_per_row, amax_scratch, p.static_scale, p.scales, r, active && t == 0);
-      uint8_t* y_row = p.out + r * p.out_stride;
-      each_vec([&](const Vec<T, VEC>& v, int i) {
-        float f[VEC];
-        y_of(v, i, f);
-        store_fp8<VEC>(y_row, i, f, fp8_scale);
-      });
-    } else {
-      if (!active) return;
-      const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
-      if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
+    };
+    __shared__ float amax_scratch[32];
+    const float fp8_scale =
+        row_fp8_scale<VEC>(y_of, each_vec, threads_per_row, amax_scratch, p.static_scale, p.scales, r, active && t == 0);
+    uint8_t* y_row = p.out + r * p.out_stride;
+    each_vec([&](const Vec<T, VEC>& v, int i) {
+      float f[VEC];
+      y_of(v, i, f);
+      store_fp8<VEC>(y_row, i, f, fp8_scale);
+    });
+  } else {
+    if (!active) return;
+    const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+    if (p.stats != nullptr && t == 0) p.stats[r] = make_float2(mean, rstd);
 
-      O* y_row = p.out + r * p.out_stride;
-      // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
-      auto write = [&](const Vec<T, VEC>& v, int i, int k) {
-        Vec<W, VEC> w;
-        Vec<T, VEC> sc, sh;
-        bool preloaded = false;
-        if constexpr (kPreload) {
-          preloaded = k >= 0;
-          if (preloaded) {
-            if constexpr (kWeighted) w = pre_w[k];
-            if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
-          }
+    O* y_row = p.out + r * p.out_stride;
+    // Vector i, the cached vector k (its write operands preloaded) or one re-read (k < 0).
+    auto write = [&](const Vec<T, VEC>& v, int i, int k) {
+      Vec<W, VEC> w;
+      Vec<T, VEC> sc, sh;
+      bool preloaded = false;
+      if constexpr (kPreload) {
+        preloaded = k >= 0;
+        if (preloaded) {
+          if constexpr (kWeighted) w = pre_w[k];
+          if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
         }
-        if (!preloaded) {
-          if (weighted) w = load_vec<W, VEC>(p.weight, i);
-          if constexpr (MODULATE) {
-            sc = load_vec<T, VEC>(scale, i);
-            sh = load_vec<T, VEC>(shift, i);
-          }
-        }
-        float f[VEC], wf[VEC], scf[VEC], shf[VEC];
-        to_floats(v, f);
-        if (weighted) to_floats(w, wf);
-        if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          f[j] = (f[j] - mean) * rstd;
-          if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
-          if (weighted) f[j] *= p.weight_offset + wf[j];
-          if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
-        }
-        store_vec<O, VEC>(y_row, i, from_floats<O>(f));
-      };
-#pragma unroll
-      for (int k = 0; k < CACHED; ++k) {
-        const int i = t + k * threads_per_row;
-        if (i < nvec) write(cached[k], i, k);
       }
-      for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
-        write(load_vec<T, VEC>(reread, i), i, -1);
+      if (!preloaded) {
+        if (weighted) w = load_vec<W, VEC>(p.weight, i);
+        if constexpr (MODULATE) {
+          sc = load_vec<T, VEC>(scale, i);
+          sh = load_vec<T, VEC>(shift, i);
+        }
       }
+      float f[VEC], wf[VEC], scf[VEC], shf[VEC];
+      to_floats(v, f);
+      if (weighted) to_floats(w, wf);
+      if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        f[j] = (f[j] - mean) * rstd;
+        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
+        if (weighted) f[j] *= p.weight_offset + wf[j];
+        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
+      }
+      store_vec<O, VEC>(y_row, i, from_floats<O>(f));
+    };
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (i < nvec) write(cached[k], i, k);
+    }
+    for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
+      write(load_vec<T, VEC>(reread, i), i, -1);
     }
   }
 }
@@ -401,6 +392,33 @@ NormParams<T, W, O> make_params(const NormArgs& a) {
             a.input_stride, a.residual_stride, a.out_stride, a.residual_out_stride,
             static_cast<int>(a.cols),
             a.eps, a.inv_cols, a.weight_offset, a.cast_before_weight};
+  }
+}
+
+// The gated residual alone (no norm follows, so nothing to reduce): elementwise, tiled as
+// the activations are (threadIdx.x over a row's vectors, threadIdx.y over rows, no index
+// divided), so that a few wide rows spread over every SM rather than walking one block
+// each (one row of 16384 held one SM). The sum rounds as norm_kernel's.
+constexpr int kGatedResidualBlock = 256;
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_kernel(const NormParams<T, T, T> p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= p.cols / VEC) return;
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < p.rows; r += row_step) {
+    Vec<T, VEC> v = load_vec<T, VEC>(p.input + r * p.input_stride, i);
+    const Vec<T, VEC> rv = load_vec<T, VEC>(p.residual + r * p.residual_stride, i);
+    if (p.gate != nullptr) {
+      const uint32_t batch = p.tokens.div(static_cast<uint32_t>(r));
+      const uint32_t token = static_cast<uint32_t>(r) - batch * p.tokens.divisor;
+      const Vec<T, VEC> g = load_vec<T, VEC>(p.gate + batch * p.gate_batch + token * p.gate_token, i);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
+    }
+    store_vec<T, VEC>(p.residual_out + r * p.residual_out_stride, i, v);
   }
 }
 
@@ -743,9 +761,31 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
 // were slower so (docs/decisions.md).
 constexpr int kFp32FourVecBlock = 512;
 
-// The production launch of norm_kernel's instantiation <KIND, RESIDUAL, MODULATE, NORMED>,
+// The gated residual alone: gated_residual_kernel over the rows. A row's vectors take up to
+// a block of x threads, the block's other threads the next rows; at most 65535 row groups,
+// threads loop over the rest.
+template <typename T>
+void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec16<T>;
+  const bool vector = vectorizable<T, T, T, V>(a);
+  const int64_t nvec = a.cols / (vector ? V : 1);
+  if (a.rows == 0 || nvec == 0) return;
+  TORCH_CHECK(nvec <= INT32_MAX, "gated_residual: rows of at most 2^31 - 1 elements on CUDA, got ", a.cols);
+  int tx = 1;
+  while (tx < kGatedResidualBlock && tx < nvec) tx *= 2;
+  const dim3 block(tx, kGatedResidualBlock / tx);
+  const int64_t row_groups = (a.rows + block.y - 1) / block.y;
+  const dim3 grid(static_cast<unsigned>((nvec + tx - 1) / tx), static_cast<unsigned>(std::min<int64_t>(row_groups, 65535)));
+  const auto run = [&](auto kernel) {
+    kernel<<<grid, block, 0, stream>>>(make_params<T, T, T>(a));
+    check_launch();
+  };
+  return vector ? run(gated_residual_kernel<T, V>) : run(gated_residual_kernel<T, 1>);
+}
+
+// The production launch of norm_kernel's instantiation <KIND, RESIDUAL, MODULATE>,
 // or of the plain RMSNorm row kernels.
-template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE, bool NORMED = true>
+template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE>
 void launch(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   // The FP8 output takes the fp32 out's launch, so that y is that run's fp32 value bit for
@@ -791,14 +831,14 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
   const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
   if constexpr (RESIDUAL) {
-    if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE, NORMED>);
+    if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
   } else {
-    if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE, NORMED>);
+    if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
   }
   if (vector) {
-    run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE, NORMED>);
+    run(norm_kernel<T, W, O, V, kCachedVecs, KIND, RESIDUAL, MODULATE>);
   } else {
-    run(norm_kernel<T, W, O, 1, kCachedVecs, KIND, RESIDUAL, MODULATE, NORMED>);
+    run(norm_kernel<T, W, O, 1, kCachedVecs, KIND, RESIDUAL, MODULATE>);
   }
 }
 

@@ -135,8 +135,9 @@ struct UnitTables {
   }
 };
 
-// One block per (b, s) token and blockIdx.y. threadIdx.x walks the head's units of N
-// channels (pairs at i and i + R/2 for rotate-half, N/2 adjacent pairs for interleaved);
+// One block per (b, s) token, blockIdx.y and blockIdx.z. The x threads of the token's
+// gridDim.z blocks walk the head's units of N channels (pairs at i and i + R/2 for
+// rotate-half, N/2 adjacent pairs for interleaved);
 // the rows of threads of the token's gridDim.y blocks walk groups of HEADS heads (q's,
 // then k's). A thread issues its first heads' loads before the tables' (which every head
 // row of the block shares, so they mostly hit L1/L2), so DRAM latency is paid once; it
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
   const int rotary_units = INTERLEAVED ? p.rotary_dim / N : p.rotary_dim / 2 / N;
   // Rotate-half's second element of a pair sits half the rotary dim further on.
   const int second = INTERLEAVED ? 0 : p.rotary_dim / 2;
-  for (int u = threadIdx.x; u < rotary_units; u += blockDim.x) {
+  for (int u = blockIdx.z * blockDim.x + threadIdx.x; u < rotary_units; u += gridDim.z * blockDim.x) {
     const int i = u * N;
     UnitTables<N, INTERLEAVED> tables;
     const int first = (blockIdx.y * blockDim.y + threadIdx.y) * HEADS;
@@ -193,11 +194,14 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
     T* out = rows.out(h);
     if (out == in) continue;
     if constexpr (ALIGNED) {
-      for (int i = p.rotary_dim + threadIdx.x * N; i < p.head_dim; i += blockDim.x * N) {
+      for (int i = p.rotary_dim + (blockIdx.z * blockDim.x + threadIdx.x) * N; i < p.head_dim;
+           i += gridDim.z * blockDim.x * N) {
         store_n<T, N, true>(out + i, load_n<T, N, true>(in + i));
       }
     } else {
-      for (int i = p.rotary_dim + threadIdx.x; i < p.head_dim; i += blockDim.x) out[i] = in[i];
+      for (int i = p.rotary_dim + blockIdx.z * blockDim.x + threadIdx.x; i < p.head_dim; i += gridDim.z * blockDim.x) {
+        out[i] = in[i];
+      }
     }
   }
 }
@@ -223,7 +227,10 @@ bool vectorizable(const RopeArgs& a) {
 template <typename T, typename C, bool INTERLEAVED, int N, int HEADS, bool WHOLE_GROUPS = false>
 void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   // Threads over the units of a head first, then one row of threads per HEADS heads (up
-  // to the kernel's block bound), the heads spread over head_blocks blocks a token.
+  // to the kernel's block bound), the heads spread over head_blocks blocks a token. Fewer
+  // tokens than two per SM (decode) also spread a head's units over blocks, up to one unit
+  // a thread, while the grid has fewer blocks than two per SM: one wide head (LTX's
+  // interleaved q of 16384 channels) otherwise walks its units in one block.
   const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / N;
   int tx = 1;
   while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
@@ -239,7 +246,13 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
                            a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
                            static_cast<int>(a.rotary_dim), a.inverse};
   constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
-  const dim3 grid(static_cast<unsigned>(blocks), head_blocks);
+  int unit_blocks = 1;
+  if (!two_rows_per_sm(blocks, a.device.index())) {
+    const int64_t sms = sm_count(a.device.index());
+    const int64_t spare = std::max<int64_t>(1, 2 * sms / (blocks * head_blocks));
+    unit_blocks = static_cast<int>(std::min<int64_t>((units + tx - 1) / tx, spare));
+  }
+  const dim3 grid(static_cast<unsigned>(blocks), head_blocks, unit_blocks);
   rope_kernel<T, C, N, kAligned, INTERLEAVED, HEADS, WHOLE_GROUPS><<<grid, dim3(tx, ty), 0, stream>>>(p);
   check_launch();
 }
