@@ -110,8 +110,8 @@ __host__ __device__ constexpr bool writes_weight(bool modulate) { return !modula
 // the result, is unchanged).
 constexpr int kFp8OneVecMinBlocks = 4;  // 64 registers at 256 threads
 constexpr int kFp8TwoVecMinBlocks = 2;  // 64 registers at 512 threads
-// Two-vector rows after a residual add (no launch of the package takes them; the tuning
-// harness times them) spill at the two-vector bound too: they take FP8's.
+// Two-vector rows after a residual add (decode rows, kPreloadsDecodeWeight below) spill at
+// the two-vector bound too: they take FP8's.
 constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, bool fp8, bool residual) {
   if (cached == 1 && fp8) return kFp8OneVecMinBlocks;
   if (cached == 1) return weighted || layer_residual ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
@@ -757,6 +757,12 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
   const bool fills_threads = (nvec & (nvec - 1)) == 0;
   return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
 }
+// Weighted rows after a residual add, fewer than two per SM (decode steps), take the
+// two-vector kernel at one vector a thread: it loads the weight with the row, where the
+// four-vector kernel loads it after the reduction, one memory round trip more on a
+// latency-bound row (docs/decisions.md).
+template <typename T, typename W, int V, bool RESIDUAL, bool MODULATE>
+constexpr bool kPreloadsDecodeWeight = RESIDUAL && !MODULATE && V * sizeof(W) == 16;
 // Plain fp32 rows of four vectors share blocks of this many threads; 16-bit and fused rows
 // were slower so (docs/decisions.md).
 constexpr int kFp32FourVecBlock = 512;
@@ -804,6 +810,9 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   int cached = kCachedVecs;
   if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads) {
     cached = 1;
+  } else if (kPreloadsDecodeWeight<T, W, V, RESIDUAL, MODULATE> && vector && !many_rows &&
+             a.weight != nullptr && nvec <= 2 * kTwoVecThreads) {
+    cached = 2;
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
              (a.rows < kTwoVecRowsPerSm * sms || two_vec_any_batch(MODULATE, preloads_modulation, nvec))) {
     cached = 2;
@@ -817,7 +826,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
   // vector per thread of the four-vector kernel spreads each row over more threads
   // (128x16384 bf16 takes 1024-thread rows); large batches want four (docs/decisions.md).
-  const int per_thread = cached == kCachedVecs && !many_rows ? 1 : cached;
+  const int per_thread = (cached == kCachedVecs || (RESIDUAL && cached == 2)) && !many_rows ? 1 : cached;
   const bool fp32_four_vec_rows = !RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs;
   const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE),
                                    fp32_four_vec_rows ? kFp32FourVecBlock : 0);
@@ -832,6 +841,9 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
   if constexpr (RESIDUAL) {
     if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
+    if constexpr (kPreloadsDecodeWeight<T, W, V, RESIDUAL, MODULATE>) {
+      if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
+    }
   } else {
     if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
   }
