@@ -214,6 +214,14 @@ def gpu_plan(ops: Sequence[str], seed: int = 0) -> List[Cell]:
     return dedupe(named_gaps(ops) + list(roundrobin(*streams_by_op)))
 
 
+def missed_cells(report: dict, ops: Sequence[str], forward_only: bool) -> List[Cell]:
+    """The cells of an earlier run (its sweep.json) that missed the targets, to time again
+    after a change."""
+    return [Cell(c["op"], c["rows"], c["width"], c["dtype"], c["backward"], stream="missed")
+            for c in report["cells"]
+            if c["meets_target"] is False and c["op"] in ops and not (forward_only and c["backward"])]
+
+
 CPU_ROWS, CPU_WIDTHS = (1, 16, 128, 512, 2048), (512, 2048, 4096)
 
 
@@ -488,6 +496,9 @@ def main():
                         f"{QUIET_LOAD:.0%}% of the CPU (0: none)")
     parser.add_argument("--quiet-wait-s", type=float, default=1200,
                         help="--cpu: how long, in all, to wait for a quiet machine before those cells")
+    parser.add_argument("--missed", type=Path, help="an earlier run's sweep.json: time again only its cells "
+                        "that missed the targets (of --ops, forward only with --forward), not the plan")
+    parser.add_argument("--forward", action="store_true", help="with --missed: leave out the fwd+bwd cells")
     parser.add_argument("--resume", type=Path, help="an earlier run's sweep.json: run the plan's cells it lacks, "
                         "write both together")
     parser.add_argument("--out-dir", type=Path, help="where sweep.json, worst.md and the heatmaps go")
@@ -526,7 +537,10 @@ def main():
     runner.emit(f"# sweep on {torch.cuda.get_device_name() if on_cuda else 'CPU'}: {' '.join(sys.argv[1:])}")
     runner.header()
 
-    plan = gpu_plan(ops, args.seed) if on_cuda else cpu_plan(ops, args.smoke)
+    if args.missed:
+        plan = missed_cells(json.loads(args.missed.read_text()), ops, args.forward)
+    else:
+        plan = gpu_plan(ops, args.seed) if on_cuda else cpu_plan(ops, args.smoke)
     earlier = json.loads(args.resume.read_text()) if args.resume else None
     if earlier:
         done = {tuple(c[k] for k in ("op", "rows", "width", "dtype", "backward")) for c in earlier["cells"]}
