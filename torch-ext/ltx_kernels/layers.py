@@ -281,10 +281,16 @@ class DiffusersRMSNorm(nn.Module):
         return _host(self).forward(self, hidden_states)
 
 
+def _host_exact_gelu(x: torch.Tensor) -> bool:
+    """Whether an exact-GELU layer hands x to the host: fp32 on the CPU, where PyTorch's erf
+    GELU is level with the twin's fitted Phi (16 bits: the twin leads; docs/performance.md)."""
+    return x.is_cpu and x.dtype == torch.float32
+
+
 class GEGLU(nn.Module):
     """For ``diffusers.models.activations.GEGLU`` (SD 1.x/2.x/XL UNets, AnimateDiff,
     Hunyuan-DiT): ``value, gate = proj(x).chunk(2, -1)``, ``value * gelu(gate)`` with the
-    exact (erf) GELU, in one pass over the projection's output; on the CPU, the host's."""
+    exact (erf) GELU, in one pass over the projection's output; fp32 on the CPU, the host's."""
 
     proj: nn.Linear
 
@@ -293,9 +299,8 @@ class GEGLU(nn.Module):
 
     @_or_host
     def forward(self, hidden_states, *args, **kwargs):
-        if args or kwargs.get("scale") is not None or hidden_states.is_cpu:
-            # the host warns about `scale`; on the CPU the host's: in fp32 PyTorch's erf GELU
-            # is level with the twin's fitted Phi (docs/performance.md, the CPU twins)
+        if args or kwargs.get("scale") is not None or _host_exact_gelu(hidden_states):
+            # the host warns about `scale`
             return _host(self).forward(self, hidden_states, *args, **kwargs)
         hidden_states = self.proj(hidden_states)
         if not _rows(hidden_states):
@@ -336,7 +341,7 @@ class DiffusersGELU(nn.Module):
             out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
             return out.view(*hidden_states.shape[:-1], out.size(-1))
         if (self.approximate not in ("none", "tanh") or _under_torch_compile()
-                or (self.approximate == "none" and hidden_states.is_cpu)):  # as in GEGLU
+                or (self.approximate == "none" and _host_exact_gelu(hidden_states))):
             return _host(self).forward(self, hidden_states)
         hidden_states = proj(hidden_states)
         if not _rows(hidden_states):
