@@ -158,7 +158,8 @@ def test_diffusers_geglu(kernel, device):
 def test_exact_gelu_layers_hand_cpu_fp32_to_the_host(kernel, device, layer, dtype, monkeypatch):
     """The exact-GELU layers hand fp32 CPU tensors to the host's forward (PyTorch's erf GELU
     is level with the twin there) and run our op otherwise; the tanh form runs our op
-    everywhere."""
+    everywhere but in 16 bits on CUDA, where the GELU runs in the projection GEMM's epilogue
+    (test_diffusers_gelu_layer)."""
     calls = []
     for name in ("geglu", "gelu"):
         op = getattr(kernel.layers, name)
@@ -173,7 +174,8 @@ def test_exact_gelu_layers_hand_cpu_fp32_to_the_host(kernel, device, layer, dtyp
         y = forward(host, x)
         expected = host(x)
     on_host = device == "cpu" and dtype == torch.float32 and not layer.endswith("tanh")
-    assert bool(calls) != on_host
+    in_epilogue = device == "cuda" and dtype != torch.float32 and layer.endswith("tanh")
+    assert bool(calls) == (not on_host and not in_epilogue)
     if on_host:
         assert torch.equal(y, expected)
     else:

@@ -67,7 +67,9 @@ def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d
 @pytest.mark.parametrize("mode", ["new", "in_place", "out"])
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 5, 2, 7, 72, 72), (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 64), (1, 4, 4, 640, 128, 96),
-], ids=["few_d72", "many_tokens", "many_d72_partial", "many_whole_groups_partial"])
+    # One token of heads wider than a block's units: CUDA spreads them over blocks.
+    (1, 2, 1, 1, 4608, 4224),
+], ids=["few_d72", "many_tokens", "many_d72_partial", "many_whole_groups_partial", "one_token_wide_partial"])
 def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, d, rotary, mode, dtype):
     """Random [B, S, R] tables whose halves differ, so a kernel that takes one half's cos
     or sin for the other fails (real tables are cat(f, f): equal halves). R = 72 (R/2 = 36
@@ -102,7 +104,8 @@ def test_rotate_half_shared_tables_and_in_place(kernel, device, dtype):
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("table_dtype", ["fp32", "model"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 5, 64), (2, 3, 18)], ids=["ltx", "small", "odd"])
+@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 5, 64), (2, 3, 18), (1, 1, 16384)],
+                         ids=["ltx", "small", "odd", "one_wide_token"])
 def test_interleaved_ltx_layout(kernel, device, batch, seq, c, dtype, table_dtype):
     """LTX: [B, S, C] q and k with [B, S, C] tables whose first C % 6 channels are padding."""
     tdtype = torch.float32 if table_dtype == "fp32" else dtype
