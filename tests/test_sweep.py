@@ -117,6 +117,29 @@ def test_a_cell_meets_the_target_its_size_sets():
     assert fell_back["fell_back"] == ["compile"] and "compile" in fell_back["failed"]
 
 
+def test_missed_cells_and_the_comparison_of_two_runs():
+    def summary(cell, ltx_us, peer_us, nbytes=2 * MB):
+        rows = [dict(impl="ltx", kernel_us=ltx_us, eager_us=ltx_us, bytes=nbytes),
+                dict(impl="compile", kernel_us=peer_us, eager_us=peer_us, bytes=nbytes)]
+        return sweep.summarize(cell, rows, on_cuda=True)
+
+    slow, fine = sweep.Cell("rms_norm", 1, 256, "bf16"), sweep.Cell("rms_norm", 4096, 4096, "bf16")
+    slow_bwd, other_op = sweep.Cell("rms_norm", 1, 256, "bf16", True), sweep.Cell("geglu", 1, 256, "bf16")
+    no_ltx = sweep.summarize(sweep.Cell("rms_norm", 2, 256, "bf16"), [], on_cuda=True)  # every impl failed
+    base = dict(kernel_build="base", device="GPU", cells=[
+        summary(slow, 2.0, 1.0, nbytes=1024), summary(fine, 100.0, 100.0), summary(slow_bwd, 4.0, 1.0, nbytes=1024),
+        summary(other_op, 3.0, 1.0, nbytes=1024), no_ltx])
+    missed = sweep.missed_cells(base, ["rms_norm"], forward_only=False)
+    assert [(c.rows, c.backward) for c in missed] == [(1, False), (1, True)]
+    assert [c.key for c in sweep.missed_cells(base, ["rms_norm", "geglu"], forward_only=True)] == [slow.key, other_op.key]
+
+    new = dict(kernel_build="new", device="GPU", cells=[summary(slow, 1.1, 1.0, nbytes=1024)])
+    table = sweep.comparison(base, new)
+    row = next(line for line in table.splitlines() if line.startswith("| rms_norm bf16 1x256"))
+    assert [v.strip() for v in row.split("|")[2:-1]] == ["2.00", "1.10", "0.550", "1.00 (compile)", "1.100", "+0.10", "met"]
+    assert "1 cells in both runs; the new build meets the target in 1." in table
+
+
 def test_compile_peer_compiles_every_shape_and_fails_when_it_runs_eagerly():
     def norm(x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

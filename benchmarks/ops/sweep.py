@@ -219,7 +219,7 @@ def missed_cells(report: dict, ops: Sequence[str], forward_only: bool) -> List[C
     after a change."""
     return [Cell(c["op"], c["rows"], c["width"], c["dtype"], c["backward"], stream="missed")
             for c in report["cells"]
-            if c["meets_target"] is False and c["op"] in ops and not (forward_only and c["backward"])]
+            if c.get("meets_target") is False and c["op"] in ops and not (forward_only and c["backward"])]
 
 
 CPU_ROWS, CPU_WIDTHS = (1, 16, 128, 512, 2048), (512, 2048, 4096)
@@ -447,6 +447,27 @@ def cell_label(c: dict) -> str:
     return f"{c['op']}{' fwd+bwd' if c['backward'] else ''} {c['dtype']} {c['rows']}x{c['width']}"
 
 
+def comparison(base: dict, new: dict) -> str:
+    """Markdown: ltx's kernel time per cell in two runs of the same cells (builds before and
+    after a change, e.g. `--missed` on each), with the new run's standing."""
+    before = {(c["op"], c["rows"], c["width"], c["dtype"], c["backward"]): c for c in base["cells"]}
+    lines = [f"ltx kernel time, {base['kernel_build']} (base) and {new['kernel_build']} (new), on {new['device']}",
+             "", "| cell | base us | new us | new / base | fastest peer us | new ratio | new gap us | target |",
+             "|---|---|---|---|---|---|---|---|"]
+    met = compared = 0
+    for c in new["cells"]:
+        b = before.get((c["op"], c["rows"], c["width"], c["dtype"], c["backward"]))
+        if b is None or c.get("ltx_us") is None or b.get("ltx_us") is None or c.get("peer_us") is None:
+            continue
+        compared += 1
+        met += bool(c["meets_target"])
+        lines.append(f"| {cell_label(c)} | {us(b['ltx_us'])} | {us(c['ltx_us'])} | {c['ltx_us'] / b['ltx_us']:.3f} | "
+                     f"{us(c['peer_us'])} ({c['peer']}) | {c['ratio']:.3f} | {c['gap_us']:+.2f} | "
+                     f"{'met' if c['meets_target'] else 'missed'} |")
+    lines += ["", f"{compared} cells in both runs; the new build meets the target in {met}."]
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(report: dict, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(report, indent=1))
@@ -502,9 +523,15 @@ def main():
     parser.add_argument("--resume", type=Path, help="an earlier run's sweep.json: run the plan's cells it lacks, "
                         "write both together")
     parser.add_argument("--out-dir", type=Path, help="where sweep.json, worst.md and the heatmaps go")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BASE", "NEW"),
+                        help="two runs' sweep.json of the same cells (builds before and after a change): "
+                        "ltx's time in each, per cell, as Markdown; runs nothing")
     parser.add_argument("--render", type=Path, help="a sweep.json to render again (worst.md, heatmaps); runs nothing")
     args = parser.parse_args()
 
+    if args.compare:
+        print(comparison(*(json.loads(p.read_text()) for p in args.compare)), end="")
+        return
     if args.render:
         render(json.loads(args.render.read_text()), args.out_dir or args.render.parent)
         return
