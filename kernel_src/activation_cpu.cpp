@@ -31,17 +31,6 @@ inline double gelu_tanh_grad(double x) {
 
 namespace {
 
-// Each row pass is built for baseline x86-64, AVX2 and x86-64-v4 (AVX-512), and the loader
-// picks the one the CPU runs (GCC's target_clones): the library still runs on any x86-64.
-// AVX-512's vectors hold twice AVX2's elements, and the exact GELU is bound by its arithmetic.
-// Every clone computes the same bits: no FMA in AVX2's, and fp-contract=off keeps GCC from
-// fusing AVX-512's multiply-adds (C++ contracts by default).
-#if defined(__x86_64__)
-#define LTX_ROW_PASS __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), optimize("fp-contract=off")))
-#else
-#define LTX_ROW_PASS
-#endif
-
 template <Gelu GELU, typename A>
 [[gnu::always_inline]] inline A gelu(A x) {
   return GELU == Gelu::kTanh ? gelu_tanh(x) : gelu_erf(x);
@@ -94,8 +83,8 @@ constexpr int64_t kChunk = 1024;
 // that alias nothing (out may be the gate or up itself), so that GCC vectorises every one;
 // the arithmetic per element is the same as one fused loop's.
 template <typename T, Gelu GELU, typename A = acc_t<T>>
-LTX_ROW_PASS void forward_chunk(const T* g, const T* u, T* y, int64_t m, A* __restrict f, A* __restrict n,
-                                A* __restrict p) {
+LTX_ARITHMETIC_ROW_PASS void forward_chunk(const T* g, const T* u, T* y, int64_t m, A* __restrict f,
+                                           A* __restrict n, A* __restrict p) {
   if constexpr (std::is_same_v<A, float> && GELU == Gelu::kErf) {
     normal_cdf_passes</*TIMES_X=*/true>(g, m, f, n, p);
   } else {
@@ -112,8 +101,9 @@ LTX_ROW_PASS void forward_chunk(const T* g, const T* u, T* y, int64_t m, A* __re
 
 // dgate = dy * up * gelu'(x) (written to y), dup = dy * gelu(x).
 template <typename T, Gelu GELU, typename A = acc_t<T>>
-LTX_ROW_PASS void backward_chunk(const T* g, const T* u, const T* dy, T* y, T* du, int64_t m, A* __restrict d,
-                                 A* __restrict f, A* __restrict grad, A* __restrict n, A* __restrict p) {
+LTX_ARITHMETIC_ROW_PASS void backward_chunk(const T* g, const T* u, const T* dy, T* y, T* du, int64_t m,
+                                            A* __restrict d, A* __restrict f, A* __restrict grad, A* __restrict n,
+                                            A* __restrict p) {
   for (int64_t i = 0; i < m; ++i) d[i] = static_cast<A>(dy[i]);
   if constexpr (std::is_same_v<A, float> && GELU == Gelu::kErf) {
     // grad holds Phi(x) first: what gelu(x) = x * Phi(x) and gelu'(x) share.

@@ -1,4 +1,7 @@
-// Rows over torch's intra-op threads, for the CPU twins. at::parallel_for cannot do it in
+// The CPU twins' row machinery: the targets a row pass is built for (LTX_ROW_PASS), and rows
+// over torch's intra-op threads (parallel_rows).
+//
+// Rows over torch's intra-op threads. at::parallel_for cannot do it in
 // this library: its OpenMP path is inline code behind _OPENMP, and the library is built
 // without -fopenmp, so it would run every range on the calling thread. parallel_rows makes
 // the call a `#pragma omp parallel` compiles to, into the OpenMP runtime torch loaded itself
@@ -19,6 +22,22 @@ void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned
 int omp_get_thread_num() __attribute__((weak));
 int omp_get_num_threads() __attribute__((weak));
 }
+
+// A row pass of a CPU twin is built for baseline x86-64 and for AVX2, and the loader picks
+// the one the CPU runs (GCC's target_clones): the library still runs on any x86-64, and
+// AVX2's wider vectors, without FMA, compute the same bits. What a row pass calls is inlined
+// into it, and so built for its target too. Passes bound by their arithmetic (the exact
+// GELU) also get an x86-64-v4 (AVX-512) clone, twice AVX2's elements a vector, with
+// fp-contract=off keeping GCC from fusing its multiply-adds (C++ contracts by default): the
+// same bits again.
+#if defined(__x86_64__)
+#define LTX_ROW_PASS __attribute__((target_clones("avx2", "default")))
+#define LTX_ARITHMETIC_ROW_PASS \
+  __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), optimize("fp-contract=off")))
+#else
+#define LTX_ROW_PASS
+#define LTX_ARITHMETIC_ROW_PASS
+#endif
 
 namespace ltx {
 

@@ -15,16 +15,6 @@
 namespace ltx {
 namespace {
 
-// Each row pass is built for baseline x86-64 and for AVX2, and the loader picks the one the
-// CPU runs (GCC's target_clones): the library still runs on any x86-64, and AVX2's wider
-// vectors, without FMA, compute the same bits.
-#if defined(__x86_64__)
-#define LTX_ROW_PASS __attribute__((target_clones("avx2", "default")))
-#else
-#define LTX_ROW_PASS
-#endif
-// What a row pass calls is inlined into it, and so built for its target too.
-
 // Independent partial sums so that the compiler can vectorise the reduction without
 // reassociating one running sum.
 constexpr int64_t kLanes = 16;

@@ -10,16 +10,6 @@
 namespace ltx {
 namespace {
 
-// Each row pass is built for baseline x86-64 and for AVX2, and the loader picks the one the
-// CPU runs (GCC's target_clones): the library still runs on any x86-64, and AVX2's wider
-// vectors, without FMA, compute the same bits.
-#if defined(__x86_64__)
-#define LTX_ROW_PASS __attribute__((target_clones("avx2", "default")))
-#else
-#define LTX_ROW_PASS
-#endif
-// What a row pass calls is inlined into it, and so built for its target too.
-
 // The rotation in passes over fp32 (double) buffers, one operation per pass and no branch
 // inside a loop, so that GCC vectorises each at -O3 on baseline x86-64 (with the stride, 1
 // or 2, known at compile time). The pairs are (first + i S, second + i S): rotate-half
