@@ -71,18 +71,11 @@ void launch(const ActivationArgs& a, cudaStream_t stream) {
                               static_cast<const T*>(a.grad), static_cast<T*>(a.up_grad),
                               a.out_stride, a.gate_stride, a.up_stride, a.grad_stride, a.up_grad_stride,
                               a.rows, static_cast<int>(a.cols / vec)};
-  // A row's vectors take up to kBlock threads (a power of two); the block's other threads
-  // take the next rows. At most 65535 row groups: threads loop over the rest.
-  int threads_x = 1;
-  while (threads_x < kBlock && threads_x < p.vecs_per_row) threads_x *= 2;
-  const dim3 block(threads_x, kBlock / threads_x);
-  const int64_t row_groups = (a.rows + block.y - 1) / block.y;
-  const dim3 grid(static_cast<unsigned>((static_cast<int64_t>(p.vecs_per_row) + threads_x - 1) / threads_x),
-                  static_cast<unsigned>(std::min<int64_t>(row_groups, 65535)));
+  const RowTiling tiling = row_tiling(a.rows, p.vecs_per_row, kBlock);
   if (vector) {
-    activation_kernel<T, V, GELU, HAS_UP, BACKWARD><<<grid, block, 0, stream>>>(p);
+    activation_kernel<T, V, GELU, HAS_UP, BACKWARD><<<tiling.grid, tiling.block, 0, stream>>>(p);
   } else {
-    activation_kernel<T, 1, GELU, HAS_UP, BACKWARD><<<grid, block, 0, stream>>>(p);
+    activation_kernel<T, 1, GELU, HAS_UP, BACKWARD><<<tiling.grid, tiling.block, 0, stream>>>(p);
   }
   check_launch();
 }

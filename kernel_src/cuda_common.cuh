@@ -274,6 +274,22 @@ inline RowLaunch row_launch(int64_t vecs_per_row, int per_thread, int max_thread
   return {tpr, tpr > 32 ? std::max(tpr, shared_block) : 128};
 }
 
+// Launch shape of an elementwise kernel over [rows, vecs] that divides no index: threadIdx.x
+// walks a row's vectors (a power of two, up to `threads`), the block's other threads the next
+// rows (threadIdx.y); at most 65535 row groups (gridDim.y), threads loop over the rest.
+struct RowTiling {
+  dim3 grid, block;
+};
+
+inline RowTiling row_tiling(int64_t rows, int64_t vecs, int threads) {
+  int tx = 1;
+  while (tx < threads && tx < vecs) tx *= 2;
+  const dim3 block(tx, threads / tx);
+  const int64_t row_groups = (rows + block.y - 1) / block.y;
+  return {dim3(static_cast<unsigned>((vecs + tx - 1) / tx), static_cast<unsigned>(std::min<int64_t>(row_groups, 65535))),
+          block};
+}
+
 inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
 
 // Launch-shape queries, each made once per device (and kernel, block, shared size): a

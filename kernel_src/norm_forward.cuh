@@ -100,9 +100,7 @@ struct NormParams<T, W, Fp8E4m3> : NormParams<T, W, uint8_t> {
 constexpr int bound_threads(int cached, bool residual, bool modulate) {
   return cached == 1 ? kOneVecThreads : cached == 2 ? kTwoVecThreads : max_block(residual, modulate);
 }
-// Whether an instantiation's write takes a weight: AdaLN has none. Without one, a one-vector
-// row fits 32 registers.
-__host__ __device__ constexpr bool writes_weight(bool modulate) { return !modulate; }
+// Rows whose write takes no weight (AdaLN's) fit 32 registers at one vector a thread.
 // LayerNorm's residual rows also make their first element (the mean's offset) ahead of
 // the sum: in 32 registers they spill, so they take the weighted rows' bound.
 // FP8 outputs (FP8) recompute y for the row's amax and convert (emulated on sm_80): at the
@@ -133,7 +131,7 @@ __device__ __forceinline__ float normed_value(float x, float mean, float rstd, b
 
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
-                                  bound_min_blocks(CACHED, writes_weight(MODULATE),
+                                  bound_min_blocks(CACHED, /*weighted=*/!MODULATE,
                                                    KIND == NormKind::kLayer && RESIDUAL, kFp8Out<O>, RESIDUAL))
     norm_kernel(const NormParams<T, W, O> p, int row_shift) {
   if constexpr (kFp8Out<O> && !kFp8Arch) {
@@ -194,7 +192,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
   // AdaLN takes no weight (launch asserts it): without the weight's registers its
   // four-vector kernel holds 62-63 registers, not 69-72 (sm_90; docs/decisions.md).
-  constexpr bool kWeighted = writes_weight(MODULATE);
+  constexpr bool kWeighted = !MODULATE;  // AdaLN's write takes no weight
   const bool weighted = kWeighted && p.weight != nullptr;
   // One vector a thread, two or, in plain RMSNorm, four with a weight of 16-byte vectors (or,
   // on sm_90, AdaLN RMS's 16-bit scale and shift): the write operands of the cached vectors
@@ -761,15 +759,13 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
 // two-vector kernel at one vector a thread: it loads the weight with the row, where the
 // four-vector kernel loads it after the reduction, one memory round trip more on a
 // latency-bound row (docs/decisions.md).
-template <typename T, typename W, int V, bool RESIDUAL, bool MODULATE>
+template <typename W, int V, bool RESIDUAL, bool MODULATE>
 constexpr bool kPreloadsDecodeWeight = RESIDUAL && !MODULATE && V * sizeof(W) == 16;
 // Plain fp32 rows of four vectors share blocks of this many threads; 16-bit and fused rows
 // were slower so (docs/decisions.md).
 constexpr int kFp32FourVecBlock = 512;
 
-// The gated residual alone: gated_residual_kernel over the rows. A row's vectors take up to
-// a block of x threads, the block's other threads the next rows; at most 65535 row groups,
-// threads loop over the rest.
+// The gated residual alone: gated_residual_kernel over the rows (see row_tiling).
 template <typename T>
 void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
@@ -777,13 +773,9 @@ void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / (vector ? V : 1);
   if (a.rows == 0 || nvec == 0) return;
   TORCH_CHECK(nvec <= INT32_MAX, "gated_residual: rows of at most 2^31 - 1 elements on CUDA, got ", a.cols);
-  int tx = 1;
-  while (tx < kGatedResidualBlock && tx < nvec) tx *= 2;
-  const dim3 block(tx, kGatedResidualBlock / tx);
-  const int64_t row_groups = (a.rows + block.y - 1) / block.y;
-  const dim3 grid(static_cast<unsigned>((nvec + tx - 1) / tx), static_cast<unsigned>(std::min<int64_t>(row_groups, 65535)));
+  const RowTiling tiling = row_tiling(a.rows, nvec, kGatedResidualBlock);
   const auto run = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(make_params<T, T, T>(a));
+    kernel<<<tiling.grid, tiling.block, 0, stream>>>(make_params<T, T, T>(a));
     check_launch();
   };
   return vector ? run(gated_residual_kernel<T, V>) : run(gated_residual_kernel<T, 1>);
@@ -810,7 +802,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   int cached = kCachedVecs;
   if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads) {
     cached = 1;
-  } else if (kPreloadsDecodeWeight<T, W, V, RESIDUAL, MODULATE> && vector && !many_rows &&
+  } else if (kPreloadsDecodeWeight<W, V, RESIDUAL, MODULATE> && vector && !many_rows &&
              a.weight != nullptr && nvec <= 2 * kTwoVecThreads) {
     cached = 2;
   } else if (!RESIDUAL && vector && nvec <= 2 * kTwoVecThreads &&
@@ -841,7 +833,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
   if constexpr (RESIDUAL) {
     if (cached == 1) return run(norm_kernel<T, W, O, V, 1, KIND, RESIDUAL, MODULATE>);
-    if constexpr (kPreloadsDecodeWeight<T, W, V, RESIDUAL, MODULATE>) {
+    if constexpr (kPreloadsDecodeWeight<W, V, RESIDUAL, MODULATE>) {
       if (cached == 2) return run(norm_kernel<T, W, O, V, 2, KIND, RESIDUAL, MODULATE>);
     }
   } else {
