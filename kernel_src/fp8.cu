@@ -85,11 +85,8 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
       for (int j = 0; j < VEC; ++j) f[j] = v.f[j];
     }
   };
-  float scale;
-  if (p.static_scale != nullptr) {
-    scale = *p.static_scale;
-  } else {
-    float amax = 0.f;
+  float amax = 0.f;
+  if (p.static_scale == nullptr) {
     float f[VEC];
 #pragma unroll
     for (int k = 0; k < kCachedVecs; ++k) {
@@ -103,9 +100,9 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
       row_values<T, VEC, S, HAS_UP>(x, up, i, f);
       amax = fp8_amax_of(amax, f);
     }
-    scale = fp8_scale_of(row_amax(amax, threads_per_row, scratch));
-    if (active && t == 0) p.scales[row] = scale;
   }
+  const Fp8Divisor divisor =
+      row_fp8_divisor(amax, threads_per_row, scratch, p.static_scale, p.scales, row, active && t == 0);
   if (!active) return;
   uint8_t* q = p.out + row * p.cols;
   float f[VEC];
@@ -114,12 +111,12 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
     const int i = t + k * threads_per_row;
     if (i < p.nvec) {
       kept_values(kept[k], f);
-      store_fp8<VEC>(q, i, f, scale);
+      store_fp8<VEC>(q, i, f, divisor);
     }
   }
   for (int i = t + kCachedVecs * threads_per_row; i < p.nvec; i += threads_per_row) {
     row_values<T, VEC, S, HAS_UP>(x, up, i, f);
-    store_fp8<VEC>(q, i, f, scale);
+    store_fp8<VEC>(q, i, f, divisor);
   }
 }
 

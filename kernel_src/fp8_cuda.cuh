@@ -39,56 +39,122 @@ __device__ __forceinline__ float row_amax(float v, int threads_per_row, float* s
   return row_reduce(v, threads_per_row, scratch, Fp8AmaxStep{});
 }
 
-// Stores VEC e4m3 bytes of f / scale at vector i of `row`, packed into 32-bit words in
-// registers (an array of bytes went through local memory on sm_80, where the conversion is
-// emulated).
-template <int VEC>
-__device__ __forceinline__ void store_fp8(uint8_t* row, int i, const float (&f)[VEC], float scale) {
-  uint32_t words[(VEC + 3) / 4] = {};
+// How a row divides its y by its scale, and makes the scale from its amax, as the reference
+// quantizer does (fp8_math.h: IEEE divisions), without a division instruction sequence: its
+// slow-path subroutine call makes every FP8 kernel save registers around it (spills), and at
+// about nine instructions an element it spends most of the instruction budget of three bytes
+// an element (16-bit in, e4m3 out) at the copy roofline. Instead:
+//   - scale = RN(amax / 448) as q0 = RN(amax * RN(1/448)) corrected by Markstein's step
+//     RN(q0 + RN(amax - q0 * 448) * RN(1/448)), exact for every finite amax (checked over all
+//     of them on the host with fmaf);
+//   - 1 / scale in double from the approximate reciprocal and three Newton steps (to an ulp
+//     of a double; 0, infinities and NaN exactly), rounded once more to a float for RN(1/scale);
+//   - a row whose scale came from its own amax (|y / scale| <= 448) and is finite: y / scale
+//     as q0 = RN(y * RN(1/scale)) and Markstein's step, four instructions an element (exact
+//     above 2^-100, below which e4m3 rounds to a signed zero either way);
+//   - a static scale (any y against any scale) or a non-finite one: RN(y * (1/scale)) in
+//     double rounded to a float, which is RN(y / scale) because a quotient of floats is never
+//     within 2^-49 of a float's rounding midpoint (in the normal range; below it, e4m3 zero).
+// tests/fp8_division_check.c checks each against IEEE division on the host (exhaustively
+// for the scale).
+struct Fp8Divisor {
+  float scale;
+  float reciprocal;        // RN(1 / scale)
+  double wide_reciprocal;  // 1 / scale to an ulp of a double
+  bool markstein;
+};
+
+__device__ __forceinline__ double fp8_wide_reciprocal(float scale) {
+  const double s = scale;
+  double r;
+  asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(s));
+  if (isfinite(scale) && scale != 0.f) {
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const uint32_t byte = __nv_cvt_float_to_fp8(fp8_scaled(f[j], scale), __NV_SATFINITE, __NV_E4M3);
-    words[j / 4] |= byte << (8 * (j % 4));
+    for (int k = 0; k < 3; ++k) r = __fma_rn(__fma_rn(-s, r, 1.0), r, r);
   }
-  if constexpr (VEC == 8) {
-    reinterpret_cast<uint2*>(row)[i] = make_uint2(words[0], words[1]);
-  } else if constexpr (VEC == 4) {
-    reinterpret_cast<uint32_t*>(row)[i] = words[0];
-  } else {
-    static_assert(VEC == 1, "fp8 stores: 1, 4 or 8 bytes");
-    row[i] = static_cast<uint8_t>(words[0]);
-  }
-}
-template <int VEC>
-__device__ __forceinline__ void store_fp8(Fp8E4m3* row, int i, const float (&f)[VEC], float scale) {
-  store_fp8<VEC>(reinterpret_cast<uint8_t*>(row), i, f, scale);
+  return r;
 }
 
-// The running amax of a row's values f.
+__device__ __forceinline__ float fp8_scale_from_amax(float amax) {
+  const float a = amax < kFp8MinAmax ? kFp8MinAmax : amax;  // NaN stays NaN
+  constexpr float kInverseMax = 1.f / kFp8E4m3Max;
+  const float q0 = __fmul_rn(a, kInverseMax);
+  const float scale = __fmaf_rn(__fmaf_rn(-q0, kFp8E4m3Max, a), kInverseMax, q0);
+  return isfinite(a) ? scale : a;
+}
+
+__device__ __forceinline__ Fp8Divisor fp8_divisor(float scale, bool from_row_amax) {
+  const double wide = fp8_wide_reciprocal(scale);
+  return {scale, __double2float_rn(wide), wide, from_row_amax && isfinite(scale)};
+}
+
+// y / scale by the row's divisor, unclamped (the saturating conversion clamps): Markstein's
+// step from RN(1 / scale), or the product with the double reciprocal rounded to a float.
+// Where q0 * scale == y exactly (y == -0 among them) Markstein's correction term is +0, which
+// would turn q0 = -0 into +0: the sign bit of q0 is or-ed back (q0 and q share it otherwise).
+__device__ __forceinline__ float fp8_quotient(float y, const Fp8Divisor& d) {
+  if (d.markstein) {
+    const float q0 = __fmul_rn(y, d.reciprocal);
+    const float q = __fmaf_rn(__fmaf_rn(-q0, d.scale, y), d.reciprocal, q0);
+    return __uint_as_float(__float_as_uint(q) | (__float_as_uint(q0) & 0x80000000u));
+  }
+  return __double2float_rn(__dmul_rn(y, d.wide_reciprocal));
+}
+
+// Stores VEC e4m3 bytes of f / scale at vector i of `row`, converted two at a time
+// (saturating, as fp8_scaled's clamp) into 32-bit words in registers (an array of bytes went
+// through local memory on sm_80, where the conversion is emulated).
+template <int VEC>
+__device__ __forceinline__ void store_fp8(uint8_t* row, int i, const float (&f)[VEC], const Fp8Divisor& d) {
+  if constexpr (VEC == 1) {
+    row[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(fp8_quotient(f[0], d), __NV_SATFINITE, __NV_E4M3));
+  } else {
+    static_assert(VEC == 4 || VEC == 8, "fp8 stores: 1, 4 or 8 bytes");
+    uint32_t words[VEC / 4];
+#pragma unroll
+    for (int w = 0; w < VEC / 4; ++w) {
+      const auto pair = [&](int j) {
+        return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(fp8_quotient(f[j], d), fp8_quotient(f[j + 1], d)),
+                                                              __NV_SATFINITE, __NV_E4M3));
+      };
+      words[w] = pair(4 * w) | (pair(4 * w + 2) << 16);
+    }
+    if constexpr (VEC == 8) {
+      reinterpret_cast<uint2*>(row)[i] = make_uint2(words[0], words[1]);
+    } else {
+      reinterpret_cast<uint32_t*>(row)[i] = words[0];
+    }
+  }
+}
+template <int VEC>
+__device__ __forceinline__ void store_fp8(Fp8E4m3* row, int i, const float (&f)[VEC], const Fp8Divisor& d) {
+  store_fp8<VEC>(reinterpret_cast<uint8_t*>(row), i, f, d);
+}
+
+// The running amax of a row's values f: fp8_amax_step's result (NaN once any is NaN), on
+// sm_80+ as one max.NaN an element instead of a compare, a NaN test and a select.
 template <int VEC>
 __device__ __forceinline__ float fp8_amax_of(float amax, const float (&f)[VEC]) {
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) amax = fp8_amax_step(amax, fabsf(f[j]));
+  for (int j = 0; j < VEC; ++j) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("max.NaN.f32 %0, %0, %1;" : "+f"(amax) : "f"(fabsf(f[j])));
+#else
+    amax = fp8_amax_step(amax, fabsf(f[j]));
+#endif
+  }
   return amax;
 }
 
-// A row's FP8 scale: *static_scale, or made from the amax of the row's y, which y_of(v, i, f)
-// computes for each vector v (index i) that each_vec hands this thread, and stored at
-// scales[row] by the thread that `writes`.
-template <int VEC, typename YOf, typename EachVec>
-__device__ __forceinline__ float row_fp8_scale(const YOf& y_of, const EachVec& each_vec, int threads_per_row,
-                                               float* scratch, const float* static_scale, float* scales,
-                                               int64_t row, bool writes) {
-  if (static_scale != nullptr) return *static_scale;
-  float amax = 0.f;
-  each_vec([&](const auto& v, int i) {
-    float f[VEC];
-    y_of(v, i, f);
-    amax = fp8_amax_of(amax, f);
-  });
-  const float scale = fp8_scale_of(row_amax(amax, threads_per_row, scratch));
+// A row's divisor: *static_scale, or a scale made from the row's running amax (each thread's
+// share), reduced over the row's threads and stored at scales[row] by the thread that `writes`.
+__device__ __forceinline__ Fp8Divisor row_fp8_divisor(float amax, int threads_per_row, float* scratch,
+                                                      const float* static_scale, float* scales, int64_t row,
+                                                      bool writes) {
+  if (static_scale != nullptr) return fp8_divisor(*static_scale, false);
+  const float scale = fp8_scale_from_amax(row_amax(amax, threads_per_row, scratch));
   if (writes) scales[row] = scale;
-  return scale;
+  return fp8_divisor(scale, true);
 }
 
 }  // namespace ltx

@@ -103,9 +103,11 @@ constexpr int bound_threads(int cached, bool residual, bool modulate) {
 // Rows whose write takes no weight (AdaLN's) fit 32 registers at one vector a thread.
 // LayerNorm's residual rows also make their first element (the mean's offset) ahead of
 // the sum: in 32 registers they spill, so they take the weighted rows' bound.
-// FP8 outputs (FP8) recompute y for the row's amax and convert (emulated on sm_80): at the
-// one- and two-vector bounds they spill, so they take fewer blocks per SM (the launch, and so
-// the result, is unchanged).
+// FP8 outputs (FP8) keep the cached vectors' y in fp32 from the amax to the write and convert
+// (emulated on sm_80): at the one- and two-vector bounds they spill, so they take fewer
+// blocks per SM (the launch, and so the result, is unchanged). At four vectors an explicit
+// minimum of one block keeps ptxas from holding them to two 512-thread blocks' 64 registers
+// with spills (it gives them up to 70).
 constexpr int kFp8OneVecMinBlocks = 4;  // 64 registers at 256 threads
 constexpr int kFp8TwoVecMinBlocks = 2;  // 64 registers at 512 threads
 // Two-vector rows after a residual add (decode rows, kPreloadsDecodeWeight below) spill at
@@ -114,19 +116,7 @@ constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, b
   if (cached == 1 && fp8) return kFp8OneVecMinBlocks;
   if (cached == 1) return weighted || layer_residual ? kOneVecMinBlocks : kOneVecUnweightedMinBlocks;
   if (cached == 2 && (fp8 || residual)) return kFp8TwoVecMinBlocks;
-  return cached == 2 ? kTwoVecMinBlocks : 0;
-}
-
-// y of one element as norm_kernel's write makes it, for its FP8 output (the other outputs'
-// write keeps its own text, so that their instantiations compile as they did).
-template <typename T, bool MODULATE>
-__device__ __forceinline__ float normed_value(float x, float mean, float rstd, bool cast, bool weighted,
-                                              float weight_offset, float w, float sc, float sh) {
-  float y = (x - mean) * rstd;
-  if (cast) y = to_float(from_float<T>(y));
-  if (weighted) y *= weight_offset + w;
-  if constexpr (MODULATE) y = y * (1.f + sc) + sh;
-  return y;
+  return cached == 2 ? kTwoVecMinBlocks : fp8 ? 1 : 0;
 }
 
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
@@ -283,40 +273,86 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     }
     sum_sq = row_sum(acc, threads_per_row, scratch[1]);
   }
+  // The write operands of vector i: the cached vector k's preloads, or (re-read vectors,
+  // k < 0, and launches without preloads) loaded.
+  const auto write_operands = [&](int i, int k, Vec<W, VEC>& w, Vec<T, VEC>& sc, Vec<T, VEC>& sh) {
+    bool preloaded = false;
+    if constexpr (kPreload) {
+      preloaded = k >= 0;
+      if (preloaded) {
+        if constexpr (kWeighted) w = pre_w[k];
+        if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
+      }
+    }
+    if (!preloaded) {
+      if (weighted) w = load_vec<W, VEC>(p.weight, i);
+      if constexpr (MODULATE) {
+        sc = load_vec<T, VEC>(scale, i);
+        sh = load_vec<T, VEC>(shift, i);
+      }
+    }
+  };
   if constexpr (kFp8Out<O>) {
-    // The FP8 output (no statistics: launch asserts it); inactive threads take part in
-    // the amax reduction. Its write operands load again at use (L1), not from the preloads.
+    // The FP8 output (no statistics: launch asserts it). y of vector i in fp32, as the other
+    // outputs' write below makes it: the cached vector k (its write operands preloaded) or
+    // one re-read (k < 0). The cached vectors' y is made once, kept for the amax and the
+    // write (kKeepsY); re-read vectors make theirs again for the write. Inactive threads take
+    // part in the amax reduction.
     const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
-    const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
-      float wf[VEC] = {}, scf[VEC] = {}, shf[VEC] = {};
+    const auto y_of = [&](const Vec<T, VEC>& v, int i, int k, float (&f)[VEC]) {
+      Vec<W, VEC> w;
+      Vec<T, VEC> sc, sh;
+      write_operands(i, k, w, sc, sh);
+      float wf[VEC], scf[VEC], shf[VEC];
       to_floats(v, f);
-      if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
-      if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
+      if (weighted) to_floats(w, wf);
+      if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        f[j] = normed_value<T, MODULATE>(f[j], mean, rstd, p.cast_before_weight, weighted, p.weight_offset,
-                                         wf[j], scf[j], shf[j]);
+        f[j] = (f[j] - mean) * rstd;
+        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
+        if (weighted) f[j] *= p.weight_offset + wf[j];
+        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
       }
     };
-    const auto each_vec = [&](auto&& take) {
+    // 16-bit rows with an fp32 weight at four vectors a thread spill keeping y within the
+    // 1024-thread bound's 64 registers: they make the cached vectors' y again for the write.
+    constexpr bool kKeepsY =
+        !(CACHED == kCachedVecs && !RESIDUAL && !MODULATE && sizeof(T) == 2 && sizeof(W) == 4);
+    float y[kKeepsY ? CACHED : 1][VEC];
+    float amax = 0.f;
 #pragma unroll
-      for (int k = 0; k < CACHED; ++k) {
-        const int i = t + k * threads_per_row;
-        if (active && i < nvec) take(cached[k], i);
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (active && i < nvec) {
+        float(&f)[VEC] = y[kKeepsY ? k : 0];
+        y_of(cached[k], i, k, f);
+        amax = fp8_amax_of(amax, f);
       }
-      for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-        take(load_vec<T, VEC>(reread, i), i);
-      }
-    };
-    __shared__ float amax_scratch[32];
-    const float fp8_scale =
-        row_fp8_scale<VEC>(y_of, each_vec, threads_per_row, amax_scratch, p.static_scale, p.scales, r, active && t == 0);
-    uint8_t* y_row = p.out + r * p.out_stride;
-    each_vec([&](const Vec<T, VEC>& v, int i) {
+    }
+    for (int i = t + CACHED * threads_per_row; kReread && active && p.static_scale == nullptr && i < nvec;
+         i += threads_per_row) {
       float f[VEC];
-      y_of(v, i, f);
-      store_fp8<VEC>(y_row, i, f, fp8_scale);
-    });
+      y_of(load_vec<T, VEC>(reread, i), i, -1, f);
+      amax = fp8_amax_of(amax, f);
+    }
+    __shared__ float amax_scratch[32];
+    const Fp8Divisor divisor =
+        row_fp8_divisor(amax, threads_per_row, amax_scratch, p.static_scale, p.scales, r, active && t == 0);
+    if (!active) return;
+    uint8_t* y_row = p.out + r * p.out_stride;
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (i >= nvec) continue;
+      if constexpr (!kKeepsY) y_of(cached[k], i, k, y[0]);
+      store_fp8<VEC>(y_row, i, y[kKeepsY ? k : 0], divisor);
+    }
+    for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
+      float f[VEC];
+      y_of(load_vec<T, VEC>(reread, i), i, -1, f);
+      store_fp8<VEC>(y_row, i, f, divisor);
+    }
   } else {
     if (!active) return;
     const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
@@ -327,21 +363,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     auto write = [&](const Vec<T, VEC>& v, int i, int k) {
       Vec<W, VEC> w;
       Vec<T, VEC> sc, sh;
-      bool preloaded = false;
-      if constexpr (kPreload) {
-        preloaded = k >= 0;
-        if (preloaded) {
-          if constexpr (kWeighted) w = pre_w[k];
-          if constexpr (MODULATE) sc = pre_scale[k], sh = pre_shift[k];
-        }
-      }
-      if (!preloaded) {
-        if (weighted) w = load_vec<W, VEC>(p.weight, i);
-        if constexpr (MODULATE) {
-          sc = load_vec<T, VEC>(scale, i);
-          sh = load_vec<T, VEC>(shift, i);
-        }
-      }
+      write_operands(i, k, w, sc, sh);
       float f[VEC], wf[VEC], scf[VEC], shf[VEC];
       to_floats(v, f);
       if (weighted) to_floats(w, wf);
@@ -652,8 +674,9 @@ void launch_rms_norm_rows(const NormArgs& a, int cached, int block, cudaStream_t
 // the wide rows (WIDE, fp32 only: 16-bit rows have no wide fp32-out launch) take
 // (x * rstd) * w, without a weight too. Two vectors stay in registers, the wide rows' others
 // are read again (L1, L2): these rows are rare in FP8 (fp32 input wider than 8192).
+// The minimum of one block keeps ptxas from holding the kernel to 32 registers with spills.
 template <typename T, typename W, int VEC, bool CAST, bool WIDE>
-__global__ void __launch_bounds__(max_block(false, false))
+__global__ void __launch_bounds__(max_block(false, false), 1)
     rms_norm_row_fp8_kernel(const T* __restrict__ input, const W* __restrict__ weight, uint8_t* __restrict__ out,
                             int64_t input_stride, int64_t out_stride, int nvec, float eps, float inv_cols,
                             float weight_offset, float* __restrict__ scales, const float* __restrict__ static_scale) {
@@ -703,17 +726,38 @@ __global__ void __launch_bounds__(max_block(false, false))
       }
     }
   };
-  const float scale = row_fp8_scale<VEC>(y_of, each_vec, blockDim.x, amax_scratch, static_scale, scales, blockIdx.x,
-                                         threadIdx.x == 0);
-  uint8_t* y = out + blockIdx.x * out_stride;
-  each_vec([&](const Vec<T, VEC>& v, int i) {
+  // The held vectors' y is made once, kept in fp32 for the amax and the write; a wide row's
+  // further vectors make theirs again for the write.
+  float held_y[kHeld][VEC];
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) {
+      y_of(held[k], i, held_y[k]);
+      amax = fp8_amax_of(amax, held_y[k]);
+    }
+  }
+  for (int i = threadIdx.x + kHeld * blockDim.x; WIDE && static_scale == nullptr && i < nvec; i += blockDim.x) {
     float f[VEC];
-    y_of(v, i, f);
-    store_fp8<VEC>(y, i, f, scale);
-  });
+    y_of(load_vec<T, VEC>(x, i), i, f);
+    amax = fp8_amax_of(amax, f);
+  }
+  const Fp8Divisor divisor =
+      row_fp8_divisor(amax, blockDim.x, amax_scratch, static_scale, scales, blockIdx.x, threadIdx.x == 0);
+  uint8_t* y = out + blockIdx.x * out_stride;
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) store_fp8<VEC>(y, i, held_y[k], divisor);
+  }
+  for (int i = threadIdx.x + kHeld * blockDim.x; WIDE && i < nvec; i += blockDim.x) {
+    float f[VEC];
+    y_of(load_vec<T, VEC>(x, i), i, f);
+    store_fp8<VEC>(y, i, f, divisor);
+  }
 }
 
-// The FP8 output's launch of the rows launch_rms_norm_rows would run for the fp32 out.
 template <typename T, typename W, int VEC>
 void launch_rms_norm_rows_fp8(const NormArgs& a, int cached, int block, cudaStream_t stream) {
   TORCH_CHECK(a.rows <= INT32_MAX, "rms_norm_fp8: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
