@@ -50,7 +50,7 @@ __device__ __forceinline__ float row_amax(float v, int threads_per_row, float* s
 //   - 1 / scale in double from the approximate reciprocal and three Newton steps (to an ulp
 //     of a double; 0, infinities and NaN exactly), rounded once more to a float for RN(1/scale);
 //   - a row whose scale came from its own amax (|y / scale| <= 448) and is finite: y / scale
-//     as q0 = RN(y * RN(1/scale)) and Markstein's step, four instructions an element (exact
+//     as q0 = RN(y * RN(1/scale)) and Markstein's step, three instructions an element (exact
 //     above 2^-100, below which e4m3 rounds to a signed zero either way);
 //   - a static scale (any y against any scale) or a non-finite one: RN(y * (1/scale)) in
 //     double rounded to a float, which is RN(y / scale) because a quotient of floats is never
@@ -90,13 +90,12 @@ __device__ __forceinline__ Fp8Divisor fp8_divisor(float scale, bool from_row_ama
 
 // y / scale by the row's divisor, unclamped (the saturating conversion clamps): Markstein's
 // step from RN(1 / scale), or the product with the double reciprocal rounded to a float.
-// Where q0 * scale == y exactly (y == -0 among them) Markstein's correction term is +0, which
-// would turn q0 = -0 into +0: the sign bit of q0 is or-ed back (q0 and q share it otherwise).
+// The step's remainder is taken as q0 * scale - y and subtracted: where it is zero (q0 exact,
+// y = -0 among them) q0 + (-0) keeps q0's sign, which y - q0 * scale = +0 added would lose.
 __device__ __forceinline__ float fp8_quotient(float y, const Fp8Divisor& d) {
   if (d.markstein) {
     const float q0 = __fmul_rn(y, d.reciprocal);
-    const float q = __fmaf_rn(__fmaf_rn(-q0, d.scale, y), d.reciprocal, q0);
-    return __uint_as_float(__float_as_uint(q) | (__float_as_uint(q0) & 0x80000000u));
+    return __fmaf_rn(-__fmaf_rn(q0, d.scale, -y), d.reciprocal, q0);
   }
   return __double2float_rn(__dmul_rn(y, d.wide_reciprocal));
 }

@@ -48,8 +48,7 @@ static double wide_reciprocal(float s) {
 }
 static float markstein(float y, float s, float r) {
   const float q0 = y * r;
-  const float q = fmaf(fmaf(-q0, s, y), r, q0);
-  return from_bits(bits(q) | (bits(q0) & 0x80000000u));
+  return fmaf(-fmaf(q0, s, -y), r, q0);
 }
 
 static int report(const char* name, long cases, long bad) {
