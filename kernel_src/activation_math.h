@@ -158,15 +158,12 @@ LTX_HOST_DEVICE float normal_cdf(float x, float q_upper = 0.f) {
 LTX_HOST_DEVICE float gelu_erf(float x) { return x * normal_cdf(x); }
 
 // sigmoid(z) = 1 / (1 + e^-z): one exp and one reciprocal. On the GPU the hardware
-// approximations (__expf's ex2.approx, __fdividef: a few fp32 ulps) make the tanh-GELU
-// kernels memory-bound; tanhf's ~20 instructions per element made them compute-bound on the
-// H200. e^-z is __expf's product and ex2.approx, flushing subnormal results (__expf keeps
-// them with three more instructions an element): 1 + e^-z rounds to 1 either way, so the
-// bits are __expf's. Limits hold: e^-z = inf gives 0, e^-z = 0 gives 1.
+// approximations (__expf, __fdividef: a few fp32 ulps) make the tanh-GELU kernels
+// memory-bound; tanhf's ~20 instructions per element made them compute-bound on the H200.
+// Limits hold: e^-z = inf gives 0, e^-z = 0 gives 1.
 LTX_HOST_DEVICE float sigmoid(float z) {
 #if defined(__CUDA_ARCH__)
-  constexpr float kLog2e = 1.44269504088896341f;
-  return __fdividef(1.f, 1.f + exp2_approx(__fmul_rn(-z, kLog2e)));
+  return __fdividef(1.f, 1.f + __expf(-z));
 #else
   return 1.f / (1.f + host_math::exp(-z));
 #endif
