@@ -113,8 +113,8 @@ __device__ __forceinline__ void store_fp8(uint8_t* row, int i, const float (&f)[
 #pragma unroll
     for (int w = 0; w < VEC / 4; ++w) {
       const auto pair = [&](int j) {
-        return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(fp8_quotient(f[j], d), fp8_quotient(f[j + 1], d)),
-                                                              __NV_SATFINITE, __NV_E4M3));
+        const float2 q = make_float2(fp8_quotient(f[j], d), fp8_quotient(f[j + 1], d));
+        return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
       };
       words[w] = pair(4 * w) | (pair(4 * w + 2) << 16);
     }
