@@ -106,8 +106,8 @@ constexpr int bound_threads(int cached, bool residual, bool modulate) {
 // FP8 outputs (FP8) keep the cached vectors' y in fp32 from the amax to the write and convert
 // (emulated on sm_80): at the one- and two-vector bounds they spill, so they take fewer
 // blocks per SM (the launch, and so the result, is unchanged). At four vectors an explicit
-// minimum of one block keeps ptxas from holding them to two 512-thread blocks' 64 registers
-// with spills (it gives them up to 70).
+// minimum of one block keeps ptxas from holding the 512-thread kernels to 64 registers with
+// spills (they take up to 88 on sm_90).
 constexpr int kFp8OneVecMinBlocks = 4;  // 64 registers at 256 threads
 constexpr int kFp8TwoVecMinBlocks = 2;  // 64 registers at 512 threads
 // Two-vector rows after a residual add (decode rows, kPreloadsDecodeWeight below) spill at
