@@ -1,5 +1,6 @@
 // FP8 output on CUDA, shared by the quantize kernel (fp8.cu) and the norm kernels' FP8 mode
-// (norm_forward.cuh): a row's amax over its threads and e4m3 stores, the math of fp8_math.h.
+// (norm_forward.cuh): a row's amax over its threads, its scale and divisor, and e4m3 stores,
+// the bits of fp8_math.h's math without its divisions.
 // Conversion by cuda_fp8.h, saturating (every arch: below sm_89 it is emulated, and the ops
 // refuse those GPUs anyway).
 #pragma once

@@ -1,6 +1,7 @@
-// Per-row FP8 (float8_e4m3fn) quantization math, shared by the CUDA kernels and their CPU
-// twins, so that both give the same bits: scale = max(amax, 1e-12) / 448 and
-// q = e4m3(round-to-nearest-even(clamp(y / scale, -448, 448))), fp32 throughout.
+// Per-row FP8 (float8_e4m3fn) quantization math: scale = max(amax, 1e-12) / 448 and
+// q = e4m3(round-to-nearest-even(clamp(y / scale, -448, 448))), fp32 throughout. The CPU
+// twins compute it as written here; the CUDA kernels reach the same bits without its
+// divisions (fp8_cuda.cuh) and share its constants and amax step.
 #pragma once
 
 #if !defined(__CUDACC__)
