@@ -126,6 +126,62 @@ def test_rms_norm_fp8_without_weight_takes_no_offset(kernel, fp8_device, dtype):
         assert_bits(scales, want_scales)
 
 
+# Widths, in 16-byte vectors a row, whose fp32 output CUDA launches at four vectors a thread
+# on two warps a row (256, 225) or four (512, 375) once a batch has 64 rows an SM or more:
+# the FP8 output's warp-a-row kernel, which must sum as that launch does.
+MANY_ROWS_VECS = [256, 225, 512, 375]
+
+
+def many_rows(device):
+    """More rows than 64 an SM, and not a whole number of blocks."""
+    return 64 * torch.cuda.get_device_properties(device).multi_processor_count + 3
+
+
+@pytest.mark.parametrize("cast_before_weight", [False, True])
+@pytest.mark.parametrize("weight", ["none", "dtype", "fp32", "offset"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vecs", MANY_ROWS_VECS)
+def test_rms_norm_fp8_many_rows(kernel, fp8_device, vecs, dtype, weight, cast_before_weight):
+    """q and scales quantize the fp32 output's y bit for bit at the CUDA launch of many rows
+    (the CPU twin's rows take one path at any count: SHAPES covers it)."""
+    if fp8_device != "cuda":
+        pytest.skip("a CUDA launch")
+    shape = (many_rows(fp8_device), vecs * 16 // torch.tensor([], dtype=dtype).element_size())
+    x = make(shape, dtype, fp8_device)
+    w_dtype = torch.float32 if weight == "fp32" else dtype
+    w = None if weight == "none" else (1.0 + 0.5 * torch.randn(shape[-1])).to(device=fp8_device, dtype=w_dtype)
+    offset = 1.0 if weight == "offset" else 0.0
+    if weight == "offset":
+        w = w - 1.0
+    q, scales = kernel.rms_norm_fp8(x, w, 1e-6, weight_offset=offset, cast_before_weight=cast_before_weight)
+    assert_quantizes(q, scales, rms_fp32(kernel, x, w, 1e-6, offset, cast_before_weight))
+    assert_within_one_step(q, scales, rms64(x, w, 1e-6, offset, cast_before_weight))
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vecs", MANY_ROWS_VECS)
+def test_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm, per_token):
+    """adaln_fp8 at the CUDA launch of many rows: fp32 rows quantize adaln's own fp32 output
+    bit for bit, with the dynamic scales and a static one; every dtype within one e4m3 step
+    of fp64. The modulation per batch entry or per token."""
+    if fp8_device != "cuda":
+        pytest.skip("a CUDA launch")
+    tokens, cols = -(-many_rows(fp8_device) // 3), vecs * 16 // torch.tensor([], dtype=dtype).element_size()
+    x = make((3, tokens, cols), dtype, fp8_device) + 0.5
+    mod_shape = (3, tokens, cols) if per_token else (3, 1, cols)
+    scale, shift = make(mod_shape, dtype, fp8_device, 0.3), make(mod_shape, dtype, fp8_device, 0.3)
+    q, scales = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm)
+    assert_within_one_step(q, scales, adaln64(x, scale, shift, 1e-6, norm))
+    y = adaln_fp32(kernel, fp8_device, dtype, x, scale, shift, 1e-6, norm)
+    if y is not None:
+        assert_quantizes(q, scales, y)
+        fixed = torch.tensor([0.01], device=fp8_device)
+        assert_bits(kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm, fp8_scale=fixed)[0],
+                    reference_quantize(y, fixed)[0])
+
+
 def adaln64(h, scale, shift, eps, norm):
     """AdaLN in fp64: norm(h) * (1 + scale) + shift."""
     h64 = h.double()

@@ -22,11 +22,12 @@ from benchmarks.ops import bench_ops
 
 REPO = Path(__file__).resolve().parents[2]
 FP8, E4M3_MAX = torch.float8_e4m3fn, 448.0
-# (op, shape): LTX-Video 2B's tokens (batch 2, 49 frames at 512x768) and an LLM prefill
-# (its feed-forward's 8192 wide GELU too)
+# (op, shape): LTX-Video 2B's tokens (batch 2, 49 frames at 512x768), an LLM prefill (its
+# feed-forward's 8192 wide GELU too) and the 13B configuration's 4096 wide AdaLN
 SHAPES = [("quantize_fp8", (2, 21504, 2048)), ("rms_norm_fp8", (2, 21504, 2048)), ("adaln_fp8", (2, 21504, 2048)),
           ("gated_residual_adaln_fp8", (2, 21504, 2048)), ("gelu_fp8", (2, 21504, 8192)),
-          ("quantize_fp8", (8192, 4096)), ("rms_norm_fp8", (8192, 4096)), ("quantize_fp8", (2, 21504, 8192))]
+          ("quantize_fp8", (8192, 4096)), ("rms_norm_fp8", (8192, 4096)), ("adaln_fp8", (2, 21504, 4096)),
+          ("quantize_fp8", (2, 21504, 8192))]
 # (M tokens, N out, K in): LTX-Video 2B's attention projections (q, k, v, out; fused qkv) and
 # feed-forward (up, down), at 49 and 161 frames with CFG
 GEMMS = [(m, n, k) for m in (5376, 16128) for n, k in ((2048, 2048), (6144, 2048), (8192, 2048), (2048, 8192))]
