@@ -133,6 +133,22 @@ __device__ __forceinline__ float vec_sum(const Vec<T, VEC>& v, float shift, bool
   return s;
 }
 
+// A vector's y from its elements f: normed (mean, rstd), rounded to T first (cast), weighted
+// or modulated, as norm_kernel's write makes it before the output's rounding: the FP8
+// outputs' y, which must be the fp32 output's bits.
+template <typename T, bool MODULATE, int VEC>
+__device__ __forceinline__ void normed_y(float (&f)[VEC], const float (&wf)[VEC], const float (&scf)[VEC],
+                                         const float (&shf)[VEC], float mean, float rstd, bool cast, bool weighted,
+                                         float weight_offset) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    f[j] = (f[j] - mean) * rstd;
+    if (cast) f[j] = to_float(from_float<T>(f[j]));
+    if (weighted) f[j] *= weight_offset + wf[j];
+    if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
+  }
+}
+
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
                                   bound_min_blocks(CACHED, /*weighted=*/!MODULATE,
@@ -309,13 +325,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       to_floats(v, f);
       if (weighted) to_floats(w, wf);
       if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        f[j] = (f[j] - mean) * rstd;
-        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
-        if (weighted) f[j] *= p.weight_offset + wf[j];
-        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
-      }
+      normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, p.cast_before_weight, weighted, p.weight_offset);
     };
     // 16-bit rows with an fp32 weight at four vectors a thread spill keeping y within the
     // 1024-thread bound's 64 registers: they make the cached vectors' y again for the write.
@@ -466,19 +476,12 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, fp8_warp_row_min_blocks(VIRT
     sum_sq = row_sum_of(0.f, true);
   }
   const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
-  // y of vector i, as norm_kernel's write makes it.
   const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
     float wf[VEC], scf[VEC], shf[VEC];
     to_floats(v, f);
     if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
     if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      f[j] = (f[j] - mean) * rstd;
-      if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
-      if (weighted) f[j] *= p.weight_offset + wf[j];
-      if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
-    }
+    normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, p.cast_before_weight, weighted, p.weight_offset);
   };
   float amax = 0.f;
   if (p.static_scale == nullptr) {

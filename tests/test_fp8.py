@@ -102,9 +102,15 @@ def test_quantize_fp8(kernel, fp8_device, shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_rms_norm_fp8(kernel, fp8_device, shape, dtype, weight, cast_before_weight):
-    x = make(shape, dtype, fp8_device)
+    check_rms_norm_fp8(kernel, fp8_device, shape, dtype, weight, cast_before_weight)
+
+
+def check_rms_norm_fp8(kernel, device, shape, dtype, weight, cast_before_weight):
+    """q and scales quantize the fp32 output's y bit for bit, within one e4m3 step of fp64;
+    weight: none, of x's dtype, fp32, or of x's dtype under weight_offset 1."""
+    x = make(shape, dtype, device)
     w_dtype = torch.float32 if weight == "fp32" else dtype
-    w = None if weight == "none" else (1.0 + 0.5 * torch.randn(shape[-1])).to(device=fp8_device, dtype=w_dtype)
+    w = None if weight == "none" else (1.0 + 0.5 * torch.randn(shape[-1])).to(device=device, dtype=w_dtype)
     offset = 1.0 if weight == "offset" else 0.0
     if weight == "offset":
         w = w - 1.0
@@ -147,15 +153,7 @@ def test_rms_norm_fp8_many_rows(kernel, fp8_device, vecs, dtype, weight, cast_be
     if fp8_device != "cuda":
         pytest.skip("a CUDA launch")
     shape = (many_rows(fp8_device), vecs * 16 // torch.tensor([], dtype=dtype).element_size())
-    x = make(shape, dtype, fp8_device)
-    w_dtype = torch.float32 if weight == "fp32" else dtype
-    w = None if weight == "none" else (1.0 + 0.5 * torch.randn(shape[-1])).to(device=fp8_device, dtype=w_dtype)
-    offset = 1.0 if weight == "offset" else 0.0
-    if weight == "offset":
-        w = w - 1.0
-    q, scales = kernel.rms_norm_fp8(x, w, 1e-6, weight_offset=offset, cast_before_weight=cast_before_weight)
-    assert_quantizes(q, scales, rms_fp32(kernel, x, w, 1e-6, offset, cast_before_weight))
-    assert_within_one_step(q, scales, rms64(x, w, 1e-6, offset, cast_before_weight))
+    check_rms_norm_fp8(kernel, fp8_device, shape, dtype, weight, cast_before_weight)
 
 
 @pytest.mark.parametrize("per_token", [False, True])
