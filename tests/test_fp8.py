@@ -133,8 +133,8 @@ def test_rms_norm_fp8_without_weight_takes_no_offset(kernel, fp8_device, dtype):
 
 
 # Widths, in 16-byte vectors a row, whose fp32 output CUDA launches at four vectors a thread
-# on two warps a row (256, 225) or four (512, 375) once a batch has 64 rows an SM or more:
-# the FP8 output's warp-a-row kernel, which must sum as that launch does.
+# on two warps a row (256, 225) or four (512, 375) once a batch has 64 rows an SM or more
+# (2048 and 4096: LTX-Video 2B's and 13B's widths): the FP8 output sums as that launch does.
 MANY_ROWS_VECS = [256, 225, 512, 375]
 
 
