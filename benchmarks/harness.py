@@ -7,6 +7,9 @@
   traffic so that its launch is a small share of a replay;
 - eager time: the calls issued from Python back to back over the same rotated inputs
   (launch and dispatch included, as a caller sees it), median over batches;
+- host time: the host's time to issue a call whose work the GPU has not finished (launches
+  queued, not waited for): what an eager forward pays per call when the host, not the GPU,
+  bounds it;
 - bandwidth: bytes a call must move (each input read once, each output written once)
   over kernel time, and that as a share of a device-to-device copy measured here;
 - on the CPU only wall time: the implementations of a case in interleaved rounds, median
@@ -82,6 +85,23 @@ def eager_time_us(calls: Sequence[Callable[[], object]], batch: int = 200, batch
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / batch)
+    return statistics.median(times)
+
+
+def host_time_us(call: Callable[[], object], calls: int = 20, runs: int = 5) -> float:
+    """Median over runs of the host's time per call for ``calls`` calls issued back to back,
+    the GPU (if any) left to catch up between runs (a few calls queue far below the launch
+    queue's depth, so none waits for the GPU)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    call()
+    sync()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+        sync()
     return statistics.median(times)
 
 

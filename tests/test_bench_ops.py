@@ -5,12 +5,14 @@ kernels' headers) still compile, spill-free, for every arch the package targets.
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import harness
 from benchmarks.ops import bench_ops
 from benchmarks.tuning import variants_build
 
@@ -26,6 +28,16 @@ def test_wrong_results_flags_only_the_outlier():
     # a failed check (an exception) is no yardstick, and one result alone has none
     assert set(bench_ops.wrong_results({"eager": 1e-7, "liger": RuntimeError("layout"), "ltx": 1.0})) == {"ltx"}
     assert bench_ops.wrong_results({"ltx": 5.0, "eager": RuntimeError("out of memory")}) == {}
+
+
+def test_host_time_is_the_issuing_time_of_one_call():
+    """host_time_us divides the time of back-to-back calls by their count: a call that
+    holds the host 2 ms reads about 2000 us, one that returns at once well below."""
+    made = []
+    slow = harness.host_time_us(lambda: (made.append(1), time.sleep(0.002)), calls=5, runs=3)
+    assert len(made) == 1 + 5 * 3
+    assert 2000 <= slow < 20000
+    assert harness.host_time_us(lambda: None, calls=5, runs=3) < 200
 
 
 def test_runner_skips_a_wrong_implementation_untimed():

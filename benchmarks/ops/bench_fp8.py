@@ -149,6 +149,10 @@ def gemms(ltx, reps):
                     skipped[name] = str(error).splitlines()[0][:160]
                     continue
                 notes[name] = f"  L2 {((got - want).norm() / want.norm()).item():.2%} from bf16"
+            # Eager FP8 forwards are host-bound: each call's host time beside its kernel time.
+            for name, factory in impls:
+                if name not in skipped:
+                    notes[name] = notes.get(name, "") + f"  host {harness.host_time_us(factory(None)):.1f} us a call"
             print(f"\nGEMM {m}x{n}x{k} (M x N x K)")
             harness.time_and_print(impls, [None], 2 * (m * k + n * k + m * n), 1e9, reps, skipped, peer="bf16", notes=notes)
 
