@@ -118,6 +118,7 @@ def main():
             same = torch.equal(pq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ps, s)
             notes[name] = "  same bits as ltx" if same else \
                 f"  differs from ltx: {(pq.view(torch.uint8) != q.view(torch.uint8)).float().mean().item():.2e} of q"
+        notes["ltx"] = f"  host {harness.host_time_us(lambda: ours(*first)):.1f} us a call"
         print(f"\n{op} {list(shape)} bf16, {nbytes / 1e6:.1f} MB")
         harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, {}, peer="compile", notes=notes)
     if not args.skip_gemms:
