@@ -132,9 +132,10 @@ def test_rms_norm_fp8_without_weight_takes_no_offset(kernel, fp8_device, dtype):
         assert_bits(scales, want_scales)
 
 
-# Widths, in 16-byte vectors a row, whose fp32 output CUDA launches at four vectors a thread
-# on two warps a row (256, 225) or four (512, 375) once a batch has 64 rows an SM or more
-# (2048 and 4096: LTX-Video 2B's and 13B's widths): the FP8 output sums as that launch does.
+# Widths, in 16-byte vectors a row, at which the fp32 output's CUDA launch spreads a row
+# over several warps once a batch has 64 rows an SM or more (four vectors a thread on two
+# warps (256, 225) or four (512, 375); after a residual add, one on eight or four on four;
+# 2048 and 4096 are LTX-Video 2B's and 13B's widths): the FP8 output sums as that launch does.
 MANY_ROWS_VECS = [256, 225, 512, 375]
 
 
@@ -248,28 +249,43 @@ GATED_CASES = ADALN_CASES + [((2, 300, 2048), (2, 1, 2048))]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", GATED_CASES, ids=str)
 def test_gated_residual_adaln_fp8(kernel, fp8_device, case, dtype, norm):
+    check_gated_residual_adaln_fp8(kernel, fp8_device, *case, dtype, norm)
+
+
+def check_gated_residual_adaln_fp8(kernel, device, x_shape, mod_shape, dtype, norm):
     """h is gated_residual_adaln's sum bit for bit; q and scales quantize the AdaLN of h in
     fp32: gated_residual_adaln's own output for fp32 rows (an fp32 rounding changes no bit),
     adaln of h in fp32 on the CPU (its twin normalises the rounded sum so), and within one
     e4m3 step of fp64 everywhere."""
-    x_shape, mod_shape = case
-    residual, x = make(x_shape, dtype, fp8_device) + 0.5, make(x_shape, dtype, fp8_device)
-    gate, scale, shift = (make(mod_shape, dtype, fp8_device, 0.3) for _ in range(3))
+    residual, x = make(x_shape, dtype, device) + 0.5, make(x_shape, dtype, device)
+    gate, scale, shift = (make(mod_shape, dtype, device, 0.3) for _ in range(3))
     h, q, scales = kernel.gated_residual_adaln_fp8(residual, x, gate, scale, shift, 1e-6, norm=norm)
     want_h, out = kernel.gated_residual_adaln(residual, x, gate, scale, shift, 1e-6, norm=norm)
     assert_bits(h, want_h)
     assert q.dtype == FP8 and q.is_contiguous() and q.shape == x.shape and scales.shape == (*x.shape[:-1], 1)
-    y = out if dtype == torch.float32 else adaln_fp32(kernel, fp8_device, dtype, h, scale, shift, 1e-6, norm)
+    y = out if dtype == torch.float32 else adaln_fp32(kernel, device, dtype, h, scale, shift, 1e-6, norm)
     if y is not None:
         assert_quantizes(q, scales, y)
     assert_within_one_step(q, scales, adaln64(h, scale, shift, 1e-6, norm))
-    fixed = torch.tensor([0.01], device=fp8_device)
+    fixed = torch.tensor([0.01], device=device)
     h_static, q_static, s = kernel.gated_residual_adaln_fp8(residual, x, gate, scale, shift, 1e-6, norm=norm,
                                                             fp8_scale=fixed)
     assert s is fixed
     assert_bits(h_static, want_h)
     if y is not None:
         assert_bits(q_static, reference_quantize(y, fixed)[0])
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vecs", MANY_ROWS_VECS)
+def test_gated_residual_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm):
+    """gated_residual_adaln_fp8 at the CUDA launch of many rows (after a residual add, rows of
+    at most 256 vectors take one a thread: eight warps at 2048 in 16 bits)."""
+    if fp8_device != "cuda":
+        pytest.skip("a CUDA launch")
+    tokens, cols = -(-many_rows(fp8_device) // 3), vecs * 16 // torch.tensor([], dtype=dtype).element_size()
+    check_gated_residual_adaln_fp8(kernel, fp8_device, (3, tokens, cols), (3, 1, cols), dtype, norm)
 
 
 def gelu64(x, approximate):
