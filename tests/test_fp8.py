@@ -139,9 +139,11 @@ def test_rms_norm_fp8_without_weight_takes_no_offset(kernel, fp8_device, dtype):
 MANY_ROWS_VECS = [256, 225, 512, 375]
 
 
-def many_rows(device):
-    """More rows than 64 an SM, and not a whole number of blocks."""
-    return 64 * torch.cuda.get_device_properties(device).multi_processor_count + 3
+def many_rows(device, vecs, dtype):
+    """(rows, cols): more rows than 64 an SM, not a whole number of blocks, each of `vecs`
+    16-byte vectors of dtype."""
+    rows = 64 * torch.cuda.get_device_properties(device).multi_processor_count + 3
+    return rows, vecs * 16 // (torch.finfo(dtype).bits // 8)
 
 
 @pytest.mark.parametrize("cast_before_weight", [False, True])
@@ -153,8 +155,7 @@ def test_rms_norm_fp8_many_rows(kernel, fp8_device, vecs, dtype, weight, cast_be
     (the CPU twin's rows take one path at any count: SHAPES covers it)."""
     if fp8_device != "cuda":
         pytest.skip("a CUDA launch")
-    shape = (many_rows(fp8_device), vecs * 16 // torch.tensor([], dtype=dtype).element_size())
-    check_rms_norm_fp8(kernel, fp8_device, shape, dtype, weight, cast_before_weight)
+    check_rms_norm_fp8(kernel, fp8_device, many_rows(fp8_device, vecs, dtype), dtype, weight, cast_before_weight)
 
 
 @pytest.mark.parametrize("per_token", [False, True])
@@ -167,7 +168,8 @@ def test_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm, per_token):
     of fp64. The modulation per batch entry or per token."""
     if fp8_device != "cuda":
         pytest.skip("a CUDA launch")
-    tokens, cols = -(-many_rows(fp8_device) // 3), vecs * 16 // torch.tensor([], dtype=dtype).element_size()
+    rows, cols = many_rows(fp8_device, vecs, dtype)
+    tokens = -(-rows // 3)  # three batch entries
     x = make((3, tokens, cols), dtype, fp8_device) + 0.5
     mod_shape = (3, tokens, cols) if per_token else (3, 1, cols)
     scale, shift = make(mod_shape, dtype, fp8_device, 0.3), make(mod_shape, dtype, fp8_device, 0.3)
@@ -284,7 +286,8 @@ def test_gated_residual_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, nor
     at most 256 vectors take one a thread: eight warps at 2048 in 16 bits)."""
     if fp8_device != "cuda":
         pytest.skip("a CUDA launch")
-    tokens, cols = -(-many_rows(fp8_device) // 3), vecs * 16 // torch.tensor([], dtype=dtype).element_size()
+    rows, cols = many_rows(fp8_device, vecs, dtype)
+    tokens = -(-rows // 3)  # three batch entries
     check_gated_residual_adaln_fp8(kernel, fp8_device, (3, tokens, cols), (3, 1, cols), dtype, norm)
 
 
