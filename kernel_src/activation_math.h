@@ -176,8 +176,21 @@ LTX_HOST_DEVICE float gelu_tanh_arg(float x) {
   return kSqrt2OverPi * (x + kCoeff * x * x * x);
 }
 
-// sigmoid(2u): gelu_tanh(x) is x times it.
-LTX_HOST_DEVICE float gelu_tanh_sigmoid(float x) { return sigmoid(2.f * gelu_tanh_arg(x)); }
+// sigmoid(2u): gelu_tanh(x) is x times it. On the GPU e^-2u is 2^(x (c1 + c2 x^2)), the
+// constants folded (three instructions for the argument, six unfolded) and ex2.approx.ftz
+// (one; the non-ftz form adds three for subnormals, whose 2^x is 1 and whose results
+// leave 1 + e^-2u as it is). As accurate as the unfolded form (within 2e-6 relative of
+// fp64 over [-12, 12] before the approximations' ulps), fewer instructions for the
+// compute-bound GELU-to-FP8 kernels.
+LTX_HOST_DEVICE float gelu_tanh_sigmoid(float x) {
+#if defined(__CUDA_ARCH__)
+  constexpr float kC1 = -2.302208198f;  // -2 sqrt(2 / pi) log2(e)
+  constexpr float kC2 = -0.1029432416f; // kC1 * 0.044715
+  return __fdividef(1.f, 1.f + exp2_approx(x * (kC2 * (x * x) + kC1)));
+#else
+  return sigmoid(2.f * gelu_tanh_arg(x));
+#endif
+}
 
 LTX_HOST_DEVICE float gelu_tanh(float x) { return x * gelu_tanh_sigmoid(x); }
 

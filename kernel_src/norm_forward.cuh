@@ -119,6 +119,63 @@ constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, b
   return cached == 2 ? kTwoVecMinBlocks : fp8 ? 1 : 0;
 }
 
+// A vector's sum of (x - shift), or of its squares, in element order.
+template <typename T, int VEC>
+__device__ __forceinline__ float vec_sum(const Vec<T, VEC>& v, float shift, bool square) {
+  float f[VEC];
+  to_floats(v, f);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    f[j] -= shift;
+    s += square ? f[j] * f[j] : f[j];
+  }
+  return s;
+}
+
+// A vector's y from its elements f: normed (mean, rstd), rounded to T first (cast), weighted
+// or modulated, as norm_kernel's write makes it before the output's rounding: the FP8
+// outputs' y, which must be the fp32 output's bits.
+template <typename T, bool MODULATE, int VEC>
+__device__ __forceinline__ void normed_y(float (&f)[VEC], const float (&wf)[VEC], const float (&scf)[VEC],
+                                         const float (&shf)[VEC], float mean, float rstd, bool cast, bool weighted,
+                                         float weight_offset) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    f[j] = (f[j] - mean) * rstd;
+    if (cast) f[j] = to_float(from_float<T>(f[j]));
+    if (weighted) f[j] *= weight_offset + wf[j];
+    if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
+  }
+}
+
+// Vector i of residual + x (* gate), rounded to T.
+template <typename T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> gated_sum(const T* x, const T* res, const T* gate, int i) {
+  Vec<T, VEC> v = load_vec<T, VEC>(x, i);
+  const Vec<T, VEC> rv = load_vec<T, VEC>(res, i);
+  if (gate != nullptr) {
+    const Vec<T, VEC> g = load_vec<T, VEC>(gate, i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
+  }
+  return v;
+}
+
+// The row's first element: x's, or residual + x (* gate)'s rounded to T (LayerNorm's shift).
+template <typename T, bool RESIDUAL>
+__device__ __forceinline__ float first_element(const T* x, const T* res, const T* gate) {
+  if constexpr (RESIDUAL) {
+    return gate != nullptr ? to_float(from_float<T>(to_float(res[0]) + to_float(x[0]) * to_float(gate[0])))
+                           : to_float(from_float<T>(to_float(res[0]) + to_float(x[0])));
+  } else {
+    return to_float(x[0]);
+  }
+}
+
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
                                   bound_min_blocks(CACHED, /*weighted=*/!MODULATE,
@@ -151,33 +208,14 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
 
   // The row's value: input, or residual + input (* gate) rounded to T (and stored).
   auto load_row = [&](int i, bool store) {
-    Vec<T, VEC> v = load_vec<T, VEC>(x, i);
     if constexpr (RESIDUAL) {
-      const Vec<T, VEC> rv = load_vec<T, VEC>(res, i);
-      if (gate != nullptr) {
-        const Vec<T, VEC> g = load_vec<T, VEC>(gate, i);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
-      }
+      const Vec<T, VEC> v = gated_sum<T, VEC>(x, res, gate, i);
       if (store) store_vec<T, VEC>(res_out, i, v);
+      return v;
+    } else {
+      return load_vec<T, VEC>(x, i);
     }
-    return v;
   };
-  auto sum_of = [](const Vec<T, VEC>& v, float shift, bool square) {
-    float f[VEC];
-    to_floats(v, f);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      f[j] -= shift;
-      s += square ? f[j] * f[j] : f[j];
-    }
-    return s;
-  };
-
   Vec<T, VEC> cached[CACHED];
   constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
   // AdaLN takes no weight (launch asserts it): without the weight's registers its
@@ -227,25 +265,18 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     if (active && i < nvec) cached[k] = load_row(i, !kStoreLate);
   }
   float first = 0.f;
-  if constexpr (kShifted) {
-    if constexpr (RESIDUAL) {
-      first = gate != nullptr ? to_float(from_float<T>(to_float(res[0]) + to_float(x[0]) * to_float(gate[0])))
-                              : to_float(from_float<T>(to_float(res[0]) + to_float(x[0])));
-    } else {
-      first = to_float(x[0]);
-    }
-  }
+  if constexpr (kShifted) first = first_element<T, RESIDUAL>(x, res, gate);
   float acc = 0.f, compensation = 0.f;
 #pragma unroll
   for (int k = 0; k < CACHED; ++k) {
     const int i = t + k * threads_per_row;
-    if (active && i < nvec) acc += sum_of(cached[k], first, kSquareFirst);
+    if (active && i < nvec) acc += vec_sum(cached[k], first, kSquareFirst);
   }
   // fp32 rows re-read past the cache sum with compensation (long rows; docs/numerics.md);
   // 16-bit rows' plain sums stay below their rounding, and the compensation's register
   // would spill on sm_75.
   for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-    const float term = sum_of(load_row(i, true), first, kSquareFirst);
+    const float term = vec_sum(load_row(i, true), first, kSquareFirst);
     if constexpr (std::is_same_v<T, float>) add_compensated(acc, compensation, term);
     else acc += term;
   }
@@ -264,10 +295,10 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
 #pragma unroll
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
-      if (active && i < nvec) acc += sum_of(cached[k], mean, true);
+      if (active && i < nvec) acc += vec_sum(cached[k], mean, true);
     }
     for (int i = t + CACHED * threads_per_row; kReread && active && i < nvec; i += threads_per_row) {
-      const float term = sum_of(load_vec<T, VEC>(reread, i), mean, true);
+      const float term = vec_sum(load_vec<T, VEC>(reread, i), mean, true);
       if constexpr (std::is_same_v<T, float>) add_compensated(acc, compensation, term);
       else acc += term;
     }
@@ -307,13 +338,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       to_floats(v, f);
       if (weighted) to_floats(w, wf);
       if constexpr (MODULATE) to_floats(sc, scf), to_floats(sh, shf);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        f[j] = (f[j] - mean) * rstd;
-        if (p.cast_before_weight) f[j] = to_float(from_float<T>(f[j]));
-        if (weighted) f[j] *= p.weight_offset + wf[j];
-        if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
-      }
+      normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, p.cast_before_weight, weighted, p.weight_offset);
     };
     // 16-bit rows with an fp32 weight at four vectors a thread spill keeping y within the
     // 1024-thread bound's 64 registers: they make the cached vectors' y again for the write.
@@ -384,6 +409,138 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     }
     for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
       write(load_vec<T, VEC>(reread, i), i, -1);
+    }
+  }
+}
+
+// The FP8 output of rows that the fp32 output's launch gives VIRT warps of CACHED vectors a
+// thread with the whole row cached (norm_kernel's four-vector rows of two or four warps; the
+// gated residual's one-vector rows of eight), as a warp a row: lane l does the work of that
+// launch's threads l, l + 32, ..., in their order, so that y is the fp32 output's bit for
+// bit: each thread's sum, each warp's butterfly, then row_reduce's butterfly over the warps'
+// sums, where the lanes past them add 0. No shared memory and no barrier (the block kernel
+// waits at two a row, the amax's included), and more rows in flight per SM. The row's fp32 y
+// does not fit the registers: it is made again for the write.
+constexpr int kFp8WarpRowBlock = 256;
+// 64 registers for eight vectors a lane, 80 after a residual add (64 spill), 128 for sixteen.
+constexpr int fp8_warp_row_min_blocks(int lane_vecs, bool residual) {
+  return lane_vecs > 8 ? 2 : residual ? 3 : 4;
+}
+
+// The sum of VIRT warps' per-lane values as row_reduce adds them (every lane gets it).
+template <int VIRT>
+__device__ __forceinline__ float virtual_warps_sum(const float (&acc)[VIRT]) {
+  float w[VIRT];
+#pragma unroll
+  for (int v = 0; v < VIRT; ++v) w[v] = group_sum(acc[v], 32) + 0.f;  // + lane VIRT's 0 (-0 to +0)
+#pragma unroll
+  for (int offset = VIRT / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int v = 0; v < offset; ++v) w[v] = w[v] + w[v + offset];
+  }
+  return w[0];
+}
+
+template <typename T, typename W, int VEC, int VIRT, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
+__global__ void __launch_bounds__(kFp8WarpRowBlock, fp8_warp_row_min_blocks(VIRT * CACHED, RESIDUAL))
+    norm_fp8_warp_row_kernel(const NormParams<T, W, Fp8E4m3> p) {
+  if constexpr (!kFp8Arch) {
+    __trap();
+    return;
+  }
+  constexpr int kThreadsPerRow = VIRT * 32;  // the fp32 output's launch
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= p.rows) return;  // the whole warp
+  const uint32_t batch = p.tokens.div(static_cast<uint32_t>(row));
+  const uint32_t token = static_cast<uint32_t>(row) - batch * p.tokens.divisor;
+  const int nvec = p.cols / VEC;
+  const T* x = p.input + row * p.input_stride;
+  const T* res = RESIDUAL ? p.residual + row * p.residual_stride : nullptr;
+  T* res_out = RESIDUAL ? p.residual_out + row * p.residual_out_stride : nullptr;
+  const T* gate = RESIDUAL && p.gate ? p.gate + batch * p.gate_batch + token * p.gate_token : nullptr;
+  const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
+  const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
+  const bool weighted = !MODULATE && p.weight != nullptr;
+  // LayerNorm after a residual add stores the sums after the first reduction, as norm_kernel
+  // does: residual_out may be an operand of the first element, which every lane reads.
+  constexpr bool kStoreLate = KIND == NormKind::kLayer && RESIDUAL;
+  // Thread v * 32 + lane's vector k.
+  const auto index = [&](int v, int k) { return v * 32 + lane + k * kThreadsPerRow; };
+  Vec<T, VEC> cached[VIRT][CACHED];
+#pragma unroll
+  for (int k = 0; k < CACHED; ++k) {
+#pragma unroll
+    for (int v = 0; v < VIRT; ++v) {
+      const int i = index(v, k);
+      if (i >= nvec) continue;
+      if constexpr (RESIDUAL) {
+        cached[v][k] = gated_sum<T, VEC>(x, res, gate, i);
+        if (!kStoreLate) store_vec<T, VEC>(res_out, i, cached[v][k]);
+      } else {
+        cached[v][k] = load_vec<T, VEC>(x, i);
+      }
+    }
+  }
+  // norm_kernel's sums: LayerNorm's mean of offsets from the first element, then the centred
+  // square sum; RMSNorm's square sum.
+  const auto row_sum_of = [&](float shift_by, bool square) {
+    float acc[VIRT];
+#pragma unroll
+    for (int v = 0; v < VIRT; ++v) {
+      acc[v] = 0.f;
+#pragma unroll
+      for (int k = 0; k < CACHED; ++k) {
+        if (index(v, k) < nvec) acc[v] += vec_sum(cached[v][k], shift_by, square);
+      }
+    }
+    return virtual_warps_sum(acc);
+  };
+  float mean = 0.f;
+  float sum_sq;
+  if constexpr (KIND == NormKind::kLayer) {
+    const float first = first_element<T, RESIDUAL>(x, res, gate);
+    mean = first + row_sum_of(first, false) * p.inv_cols;
+    if constexpr (kStoreLate) {
+#pragma unroll
+      for (int k = 0; k < CACHED; ++k) {
+#pragma unroll
+        for (int v = 0; v < VIRT; ++v) {
+          if (index(v, k) < nvec) store_vec<T, VEC>(res_out, index(v, k), cached[v][k]);
+        }
+      }
+    }
+    sum_sq = row_sum_of(mean, true);
+  } else {
+    sum_sq = row_sum_of(0.f, true);
+  }
+  const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
+  const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
+    float wf[VEC], scf[VEC], shf[VEC];
+    to_floats(v, f);
+    if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
+    if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
+    normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, p.cast_before_weight, weighted, p.weight_offset);
+  };
+  float amax = 0.f;
+  if (p.static_scale == nullptr) {
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+#pragma unroll
+      for (int v = 0; v < VIRT; ++v) {
+        float f[VEC];
+        if (index(v, k) < nvec) y_of(cached[v][k], index(v, k), f), amax = fp8_amax_of(amax, f);
+      }
+    }
+  }
+  const Fp8Divisor divisor = row_fp8_divisor(amax, 32, nullptr, p.static_scale, p.scales, row, lane == 0);
+  uint8_t* y_row = p.out + row * p.out_stride;
+#pragma unroll
+  for (int k = 0; k < CACHED; ++k) {
+#pragma unroll
+    for (int v = 0; v < VIRT; ++v) {
+      float f[VEC];
+      if (index(v, k) < nvec) y_of(cached[v][k], index(v, k), f), store_fp8<VEC>(y_row, index(v, k), f, divisor);
     }
   }
 }
@@ -788,6 +945,16 @@ void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& 
   check_launch();
 }
 
+// norm_fp8_warp_row_kernel over the rows, a warp each.
+template <typename T, typename W, int VEC, int VIRT, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
+void launch_fp8_warp_rows(const NormArgs& a, cudaStream_t stream) {
+  constexpr int rows_per_block = kFp8WarpRowBlock / 32;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  norm_fp8_warp_row_kernel<T, W, VEC, VIRT, CACHED, KIND, RESIDUAL, MODULATE>
+      <<<blocks, kFp8WarpRowBlock, 0, stream>>>(make_params<T, W, Fp8E4m3>(a));
+  check_launch();
+}
+
 // From this many rows per SM, four vectors a thread beat two (docs/decisions.md).
 constexpr int kTwoVecRowsPerSm = 64;
 // Rows of at most 128 vectors (D <= 1024 in 16 bits) take two vectors a thread at any batch:
@@ -866,6 +1033,24 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const bool fp32_four_vec_rows = !RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs;
   const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE),
                                    fp32_four_vec_rows ? kFp32FourVecBlock : 0);
+  if constexpr (kFp8Out<O>) {
+    // FP8 rows that the fp32 output gives several warps with the whole row in registers,
+    // eight or sixteen vectors a lane once a warp does their work: a warp a row, the same
+    // sums (norm_fp8_warp_row_kernel).
+    const int warps = cfg.threads_per_row / 32;
+    if (vector && per_thread == cached && nvec <= cached * cfg.threads_per_row) {
+      if constexpr (RESIDUAL) {  // two-warp rows after a residual add take one vector a thread
+        if (cached == 1 && warps == 8) return launch_fp8_warp_rows<T, W, V, 8, 1, KIND, RESIDUAL, MODULATE>(a, stream);
+      } else {
+        if (cached == kCachedVecs && warps == 2) {
+          return launch_fp8_warp_rows<T, W, V, 2, kCachedVecs, KIND, RESIDUAL, MODULATE>(a, stream);
+        }
+      }
+      if (cached == kCachedVecs && warps == 4) {
+        return launch_fp8_warp_rows<T, W, V, 4, kCachedVecs, KIND, RESIDUAL, MODULATE>(a, stream);
+      }
+    }
+  }
   if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {
     const bool row_kernel = (cached == 2 && a.weight != nullptr) || cached == kWideCachedVecs;
     if (row_kernel && cfg.threads_per_row == cfg.block && a.stats == nullptr) {
