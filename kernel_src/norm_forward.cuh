@@ -413,19 +413,19 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   }
 }
 
-// The FP8 output of rows that the fp32 output's launch gives VIRT warps of CACHED vectors a
-// thread with the whole row cached (norm_kernel's four-vector rows of two or four warps; the
-// gated residual's one-vector rows of eight), as a warp a row: lane l does the work of that
-// launch's threads l, l + 32, ..., in their order, so that y is the fp32 output's bit for
-// bit: each thread's sum, each warp's butterfly, then row_reduce's butterfly over the warps'
-// sums, where the lanes past them add 0. No shared memory and no barrier (the block kernel
-// waits at two a row, the amax's included), and more rows in flight per SM. The row's fp32 y
-// does not fit the registers: it is made again for the write.
+// The FP8 output of rows, without a residual add, that the fp32 output's launch gives two
+// warps of four cached vectors a thread (LTX's 2048 wide in 16 bits), as a warp a row: lane l
+// does the work of that launch's threads l and l + 32, in their order, so that y is the fp32
+// output's bit for bit: each thread's sum, each warp's butterfly, then row_reduce's butterfly
+// over the two warps' sums, where the lanes past them add 0. No shared memory and no barrier
+// (the block kernel waits at two a row, the amax's included), and more rows in flight per SM.
+// The row's fp32 y does not fit the registers: it is made again for the write. Wider rows
+// (four warps, 16 vectors a lane) and the gated residual's rows ran slower so
+// (docs/decisions.md).
 constexpr int kFp8WarpRowBlock = 256;
-// 64 registers for eight vectors a lane, 80 after a residual add (64 spill), 128 for sixteen.
-constexpr int fp8_warp_row_min_blocks(int lane_vecs, bool residual) {
-  return lane_vecs > 8 ? 2 : residual ? 3 : 4;
-}
+constexpr int kFp8WarpRowVirt = 2;
+// 64 registers for eight vectors a lane.
+constexpr int kFp8WarpRowMinBlocks = 4;
 
 // The sum of VIRT warps' per-lane values as row_reduce adds them (every lane gets it).
 template <int VIRT>
@@ -441,13 +441,15 @@ __device__ __forceinline__ float virtual_warps_sum(const float (&acc)[VIRT]) {
   return w[0];
 }
 
-template <typename T, typename W, int VEC, int VIRT, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
-__global__ void __launch_bounds__(kFp8WarpRowBlock, fp8_warp_row_min_blocks(VIRT * CACHED, RESIDUAL))
+template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE>
+__global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
     norm_fp8_warp_row_kernel(const NormParams<T, W, Fp8E4m3> p) {
   if constexpr (!kFp8Arch) {
     __trap();
     return;
   }
+  constexpr int VIRT = kFp8WarpRowVirt;
+  constexpr int CACHED = kCachedVecs;
   constexpr int kThreadsPerRow = VIRT * 32;  // the fp32 output's launch
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -456,15 +458,9 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, fp8_warp_row_min_blocks(VIRT
   const uint32_t token = static_cast<uint32_t>(row) - batch * p.tokens.divisor;
   const int nvec = p.cols / VEC;
   const T* x = p.input + row * p.input_stride;
-  const T* res = RESIDUAL ? p.residual + row * p.residual_stride : nullptr;
-  T* res_out = RESIDUAL ? p.residual_out + row * p.residual_out_stride : nullptr;
-  const T* gate = RESIDUAL && p.gate ? p.gate + batch * p.gate_batch + token * p.gate_token : nullptr;
   const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
   const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
   const bool weighted = !MODULATE && p.weight != nullptr;
-  // LayerNorm after a residual add stores the sums after the first reduction, as norm_kernel
-  // does: residual_out may be an operand of the first element, which every lane reads.
-  constexpr bool kStoreLate = KIND == NormKind::kLayer && RESIDUAL;
   // Thread v * 32 + lane's vector k.
   const auto index = [&](int v, int k) { return v * 32 + lane + k * kThreadsPerRow; };
   Vec<T, VEC> cached[VIRT][CACHED];
@@ -472,14 +468,7 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, fp8_warp_row_min_blocks(VIRT
   for (int k = 0; k < CACHED; ++k) {
 #pragma unroll
     for (int v = 0; v < VIRT; ++v) {
-      const int i = index(v, k);
-      if (i >= nvec) continue;
-      if constexpr (RESIDUAL) {
-        cached[v][k] = gated_sum<T, VEC>(x, res, gate, i);
-        if (!kStoreLate) store_vec<T, VEC>(res_out, i, cached[v][k]);
-      } else {
-        cached[v][k] = load_vec<T, VEC>(x, i);
-      }
+      if (index(v, k) < nvec) cached[v][k] = load_vec<T, VEC>(x, index(v, k));
     }
   }
   // norm_kernel's sums: LayerNorm's mean of offsets from the first element, then the centred
@@ -499,17 +488,8 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, fp8_warp_row_min_blocks(VIRT
   float mean = 0.f;
   float sum_sq;
   if constexpr (KIND == NormKind::kLayer) {
-    const float first = first_element<T, RESIDUAL>(x, res, gate);
+    const float first = first_element<T, false>(x, nullptr, nullptr);
     mean = first + row_sum_of(first, false) * p.inv_cols;
-    if constexpr (kStoreLate) {
-#pragma unroll
-      for (int k = 0; k < CACHED; ++k) {
-#pragma unroll
-        for (int v = 0; v < VIRT; ++v) {
-          if (index(v, k) < nvec) store_vec<T, VEC>(res_out, index(v, k), cached[v][k]);
-        }
-      }
-    }
     sum_sq = row_sum_of(mean, true);
   } else {
     sum_sq = row_sum_of(0.f, true);
@@ -946,11 +926,11 @@ void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& 
 }
 
 // norm_fp8_warp_row_kernel over the rows, a warp each.
-template <typename T, typename W, int VEC, int VIRT, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
+template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE>
 void launch_fp8_warp_rows(const NormArgs& a, cudaStream_t stream) {
   constexpr int rows_per_block = kFp8WarpRowBlock / 32;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
-  norm_fp8_warp_row_kernel<T, W, VEC, VIRT, CACHED, KIND, RESIDUAL, MODULATE>
+  norm_fp8_warp_row_kernel<T, W, VEC, KIND, MODULATE>
       <<<blocks, kFp8WarpRowBlock, 0, stream>>>(make_params<T, W, Fp8E4m3>(a));
   check_launch();
 }
@@ -1033,22 +1013,12 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const bool fp32_four_vec_rows = !RESIDUAL && !MODULATE && sizeof(T) == 4 && per_thread == kCachedVecs;
   const RowLaunch cfg = row_launch(nvec, per_thread, bound_threads(cached, RESIDUAL, MODULATE),
                                    fp32_four_vec_rows ? kFp32FourVecBlock : 0);
-  if constexpr (kFp8Out<O>) {
-    // FP8 rows that the fp32 output gives several warps with the whole row in registers,
-    // eight or sixteen vectors a lane once a warp does their work: a warp a row, the same
-    // sums (norm_fp8_warp_row_kernel).
-    const int warps = cfg.threads_per_row / 32;
-    if (vector && per_thread == cached && nvec <= cached * cfg.threads_per_row) {
-      if constexpr (RESIDUAL) {  // two-warp rows after a residual add take one vector a thread
-        if (cached == 1 && warps == 8) return launch_fp8_warp_rows<T, W, V, 8, 1, KIND, RESIDUAL, MODULATE>(a, stream);
-      } else {
-        if (cached == kCachedVecs && warps == 2) {
-          return launch_fp8_warp_rows<T, W, V, 2, kCachedVecs, KIND, RESIDUAL, MODULATE>(a, stream);
-        }
-      }
-      if (cached == kCachedVecs && warps == 4) {
-        return launch_fp8_warp_rows<T, W, V, 4, kCachedVecs, KIND, RESIDUAL, MODULATE>(a, stream);
-      }
+  if constexpr (kFp8Out<O> && !RESIDUAL) {
+    // FP8 rows that the fp32 output gives two warps of four cached vectors a thread, the
+    // whole row in registers: a warp a row, the same sums (norm_fp8_warp_row_kernel).
+    if (vector && per_thread == kCachedVecs && cached == kCachedVecs &&
+        cfg.threads_per_row == kFp8WarpRowVirt * 32 && nvec <= cached * cfg.threads_per_row) {
+      return launch_fp8_warp_rows<T, W, V, KIND, MODULATE>(a, stream);
     }
   }
   if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {
