@@ -45,11 +45,17 @@ class FP8Rows(NamedTuple):
     def quantize(x: torch.Tensor) -> "FP8Rows":
         """``x`` [..., D] by `quantize_fp8`: rows that nn.Linear takes as views (transposed,
         expanded) copied contiguous first."""
-        rows = x.reshape(-1, x.shape[-1])
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        q, scales = quantize_fp8(rows)
+        q, scales = _quantize_rows(x)
         return FP8Rows(q.reshape(x.shape), scales.reshape(*x.shape[:-1], 1), x.dtype)
+
+
+def _quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., D] as 2-D FP8 rows [M, D] and their scales [M, 1] (`quantize_fp8`), the
+    rows copied contiguous first where nn.Linear hands over a view (transposed, expanded)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    return quantize_fp8(rows)
 
 
 class FP8Linear(torch.nn.Module):
@@ -91,7 +97,10 @@ class FP8Linear(torch.nn.Module):
             raise RuntimeError("FP8Linear is for inference: its input requires grad (FP8 GEMMs have no "
                                "backward here; run under torch.no_grad() or torch.inference_mode())")
         self._check(x.shape[-1], x.device, x.dtype)  # before the quantize pass
-        return self._gemm(*FP8Rows.quantize(x))
+        # The 2-D rows straight to the GEMM, not through FP8Rows: each reshape there and back
+        # is a dispatcher call of host time in an eager forward.
+        q, scales = _quantize_rows(x)
+        return self._rows_gemm(q, scales, x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _check(self, features: int, device: torch.device, dtype: torch.dtype) -> None:
         if features != self.in_features:
@@ -106,17 +115,21 @@ class FP8Linear(torch.nn.Module):
         if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or scales.shape != (*q.shape[:-1], 1):
             raise TypeError(f"FP8Linear: FP8Rows take float8_e4m3fn q [..., {self.in_features}] and float32 scales "
                             f"[..., 1], got {q.dtype} {tuple(q.shape)} and {scales.dtype} {tuple(scales.shape)}")
-        bias = None if self.bias is None else self.bias.to(dtype)
-        rows, row_scales = q.reshape(-1, self.in_features), scales.reshape(-1, 1)
-        if q.device.type == "cpu":
+        y = self._rows_gemm(q.reshape(-1, self.in_features), scales.reshape(-1, 1), dtype)
+        return y.reshape(*q.shape[:-1], self.out_features)
+
+    def _rows_gemm(self, rows: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """FP8 rows [M, in] with their scales [M, 1] times the weight, plus the bias: [M, out]."""
+        bias = self.bias
+        if bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
+        if rows.device.type == "cpu":
             # The scaled GEMM in fp32, as torch's CPU emulation computes it: the CPU
             # torch._scaled_mm of some releases (2.11's oneDNN path) refuses row-wise scales.
             y = (rows.float() @ self.weight_fp8.float().t()) * row_scales * self.weight_scale
-            y = (y if bias is None else y + bias.float()).to(dtype)
-        else:
-            y = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=row_scales, scale_b=self.weight_scale,
-                                 bias=bias, out_dtype=dtype, use_fast_accum=self.fast_accum)
-        return y.reshape(*q.shape[:-1], self.out_features)
+            return (y if bias is None else y + bias.float()).to(dtype)
+        return torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=row_scales, scale_b=self.weight_scale,
+                                bias=bias, out_dtype=dtype, use_fast_accum=self.fast_accum)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
