@@ -150,7 +150,7 @@ def test_fp8_device_refusal(monkeypatch):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["separate-qkv", "fused-qkv"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_kernelize_diffusers_fp8_ltx(device, fused):
+def test_kernelize_diffusers_fp8_ltx(device, fused, monkeypatch):
     fp8_device(device)
     model = small_ltx(device, BF16)
     if fused:
@@ -164,6 +164,9 @@ def test_kernelize_diffusers_fp8_ltx(device, fused):
     fused_calls = []
     if fused:
         model.transformer_blocks[0].attn1.to_qkv.register_forward_pre_hook(lambda m, a: fused_calls.append(1))
+    quantized = []  # the 16-bit inputs the FP8 linears quantize themselves
+    monkeypatch.setattr(lki.fp8_linear, "quantize_fp8",
+                        lambda x, _op=lki.fp8_linear.quantize_fp8: quantized.append(x.shape) or _op(x))
     assert counts["LTXVideoTransformerBlock"] == 2
     assert isinstance(model.transformer_blocks[0].attn1.to_q, lki.FP8Linear)
     assert isinstance(model.proj_out, torch.nn.Linear)  # outside the blocks: 16-bit
@@ -173,6 +176,10 @@ def test_kernelize_diffusers_fp8_ltx(device, fused):
     rel = ((got - want).norm() / want.norm()).item()
     assert 0 < rel < LTX_FP8_REL_L2, rel
     assert len(fused_calls) == (1 if fused else 0)  # the fused FP8 GEMM projected q, k, v
+    # a block's attn1 output, attn2's query, its context (once for k and v, fused or not),
+    # attn2's output; the rest come from the producers, but for block 0's hooked to_qkv,
+    # which quantizes its own input
+    assert len(quantized) == 2 * 4 + (1 if fused else 0), quantized
     lki.unkernelize(model)
     assert not any(isinstance(m, lki.FP8Linear) for m in model.modules())
     with torch.no_grad():

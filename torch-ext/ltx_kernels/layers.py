@@ -759,6 +759,11 @@ def _projections(attn: nn.Module, hidden_states, encoder_hidden_states: Optional
     if fused:
         key, value = fused_module(encoder_hidden_states).split([attn.to_k.out_features, attn.to_v.out_features], dim=-1)
         return query, key, value
+    if (fp8 and _plain_fp8_linear(attn.to_k) and _plain_fp8_linear(attn.to_v)
+            and not records_grad(encoder_hidden_states)):
+        # k and v project the same context: one quantize pass for both
+        context = FP8Rows.quantize(encoder_hidden_states)
+        return query, attn.to_k(context), attn.to_v(context)
     return query, attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
 
 
