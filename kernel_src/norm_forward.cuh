@@ -149,33 +149,6 @@ __device__ __forceinline__ void normed_y(float (&f)[VEC], const float (&wf)[VEC]
   }
 }
 
-// Vector i of residual + x (* gate), rounded to T.
-template <typename T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> gated_sum(const T* x, const T* res, const T* gate, int i) {
-  Vec<T, VEC> v = load_vec<T, VEC>(x, i);
-  const Vec<T, VEC> rv = load_vec<T, VEC>(res, i);
-  if (gate != nullptr) {
-    const Vec<T, VEC> g = load_vec<T, VEC>(gate, i);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
-  }
-  return v;
-}
-
-// The row's first element: x's, or residual + x (* gate)'s rounded to T (LayerNorm's shift).
-template <typename T, bool RESIDUAL>
-__device__ __forceinline__ float first_element(const T* x, const T* res, const T* gate) {
-  if constexpr (RESIDUAL) {
-    return gate != nullptr ? to_float(from_float<T>(to_float(res[0]) + to_float(x[0]) * to_float(gate[0])))
-                           : to_float(from_float<T>(to_float(res[0]) + to_float(x[0])));
-  } else {
-    return to_float(x[0]);
-  }
-}
-
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
 __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
                                   bound_min_blocks(CACHED, /*weighted=*/!MODULATE,
@@ -208,14 +181,22 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
 
   // The row's value: input, or residual + input (* gate) rounded to T (and stored).
   auto load_row = [&](int i, bool store) {
+    Vec<T, VEC> v = load_vec<T, VEC>(x, i);
     if constexpr (RESIDUAL) {
-      const Vec<T, VEC> v = gated_sum<T, VEC>(x, res, gate, i);
+      const Vec<T, VEC> rv = load_vec<T, VEC>(res, i);
+      if (gate != nullptr) {
+        const Vec<T, VEC> g = load_vec<T, VEC>(gate, i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
+      }
       if (store) store_vec<T, VEC>(res_out, i, v);
-      return v;
-    } else {
-      return load_vec<T, VEC>(x, i);
     }
+    return v;
   };
+
   Vec<T, VEC> cached[CACHED];
   constexpr bool kReread = CACHED == kCachedVecs;  // the other launches cover the row
   // AdaLN takes no weight (launch asserts it): without the weight's registers its
@@ -265,7 +246,14 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     if (active && i < nvec) cached[k] = load_row(i, !kStoreLate);
   }
   float first = 0.f;
-  if constexpr (kShifted) first = first_element<T, RESIDUAL>(x, res, gate);
+  if constexpr (kShifted) {
+    if constexpr (RESIDUAL) {
+      first = gate != nullptr ? to_float(from_float<T>(to_float(res[0]) + to_float(x[0]) * to_float(gate[0])))
+                              : to_float(from_float<T>(to_float(res[0]) + to_float(x[0])));
+    } else {
+      first = to_float(x[0]);
+    }
+  }
   float acc = 0.f, compensation = 0.f;
 #pragma unroll
   for (int k = 0; k < CACHED; ++k) {
@@ -488,7 +476,7 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
   float mean = 0.f;
   float sum_sq;
   if constexpr (KIND == NormKind::kLayer) {
-    const float first = first_element<T, false>(x, nullptr, nullptr);
+    const float first = to_float(x[0]);
     mean = first + row_sum_of(first, false) * p.inv_cols;
     sum_sq = row_sum_of(mean, true);
   } else {
