@@ -214,13 +214,14 @@ def wait_for_quiet(max_share: float, max_wait_s: float, window_s: float = 1.0) -
             return share
 
 
-def time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer, notes=None, width=10):
+def time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer, notes=None, width=10, max_calls=None):
     """Times each (name, factory) of `impls` not in `skipped` (name -> why) by graph replay,
     calls rotated over the input `sets`, `reps` rounds in alternating order (drift between
     rounds falls on every candidate alike), then prints a row each: the rounds' times, the
-    best, its % of the copy bandwidth, the best over `peer`'s, and notes[name]."""
+    best, its % of the copy bandwidth, the best over `peer`'s, and notes[name]. max_calls caps
+    a graph's calls (decode rows would otherwise want hundreds of thousands)."""
     notes = notes or {}
-    calls_n = calls_per_graph(len(sets), nbytes)
+    calls_n = calls_per_graph(len(sets), nbytes, max_calls)
     times = {}
     for rep in range(reps):
         for name, factory in impls if rep % 2 == 0 else impls[::-1]:

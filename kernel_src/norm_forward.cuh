@@ -641,6 +641,108 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   if (has1) write(f1, w1, i1);
 }
 
+// Decode rows of fused_add_rms_norm (RMSNorm after a residual add, a weight of the input's
+// dtype; no gate, AdaLN or statistics): a block a row, PER vectors a thread, the Llama
+// order's rounding a template flag and 32-bit indices, where the general kernel's runtime
+// options and 64-bit indices made about twice the instructions of Liger's program on a
+// latency-bound row (docs/decisions.md). The row's loads all precede the sum's stores:
+// residual_out may be the residual or the input.
+template <typename T, int VEC, int PER, bool CAST>
+__global__ void __launch_bounds__(kTwoVecThreads)
+    rms_norm_residual_row_kernel(const T* input, const T* residual, const T* __restrict__ weight, T* out,
+                                 T* residual_out, int64_t input_stride, int64_t residual_stride, int64_t out_stride,
+                                 int64_t residual_out_stride, int nvec, float eps, float inv_cols,
+                                 float weight_offset) {
+  __shared__ float scratch[32];
+  const T* x = input + blockIdx.x * input_stride;
+  const T* res = residual + blockIdx.x * residual_stride;
+  Vec<T, VEC> xv[PER], rv[PER], wv[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) {
+      wv[k] = load_vec<T, VEC>(weight, i);
+      xv[k] = load_vec<T, VEC>(x, i);
+      rv[k] = load_vec<T, VEC>(res, i);
+    }
+  }
+  T* h = residual_out + blockIdx.x * residual_out_stride;
+  float f[PER][VEC];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < nvec) {
+      Vec<T, VEC> sum;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sum.v[j] = from_float<T>(to_float(rv[k].v[j]) + to_float(xv[k].v[j]));
+      store_vec<T, VEC>(h, i, sum);
+      to_floats(sum, f[k]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sum_sq += f[k][j] * f[k][j];
+    }
+  }
+  const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
+  T* y = out + blockIdx.x * out_stride;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i >= nvec) continue;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[k][j] *= rstd;
+    if constexpr (CAST && kPackedMul<T>) {
+      if (weight_offset == 0.f) {
+        store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f[k]), wv[k]));
+        continue;
+      }
+    }
+    float wf[VEC];
+    to_floats(wv[k], wf);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if constexpr (CAST) f[k][j] = to_float(from_float<T>(f[k][j]));
+      f[k][j] *= weight_offset + wf[j];
+    }
+    store_vec<T, VEC>(y, i, from_floats<T>(f[k]));
+  }
+}
+
+// Vectors a thread of rms_norm_residual_row_kernel for a row of nvec vectors (0: it does
+// not take the row): two, as Liger's program for such rows, or four past 1024 vectors.
+inline int residual_row_vecs(int64_t nvec) {
+  return nvec <= 2 * kTwoVecThreads ? 2 : nvec <= 4 * kTwoVecThreads ? 4 : 0;
+}
+
+template <typename T, int VEC>
+void launch_rms_norm_residual_rows(const NormArgs& a, int per_thread, cudaStream_t stream) {
+  TORCH_CHECK(a.rows <= INT32_MAX, "fused_add_rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
+  const int nvec = static_cast<int>(a.cols / VEC);
+  // whole warps (block_sum), as few as cover the row at per_thread vectors each
+  const int threads = ((nvec + per_thread - 1) / per_thread + 31) / 32 * 32;
+  TORCH_INTERNAL_ASSERT(threads <= kTwoVecThreads, "fused_add_rms_norm rows: ", nvec, " vectors at ", per_thread,
+                        " a thread");
+  const auto run = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(a.rows), threads, 0, stream>>>(
+        static_cast<const T*>(a.input), static_cast<const T*>(a.residual), static_cast<const T*>(a.weight),
+        static_cast<T*>(a.out), static_cast<T*>(a.residual_out), a.input_stride, a.residual_stride, a.out_stride,
+        a.residual_out_stride, nvec, a.eps, a.inv_cols, a.weight_offset);
+    check_launch();
+  };
+  const auto with_vecs = [&](auto per) {
+    constexpr int P = decltype(per)::value;
+    if constexpr (sizeof(T) == 2) {
+      if (a.cast_before_weight) return run(rms_norm_residual_row_kernel<T, VEC, P, true>);
+    }
+    run(rms_norm_residual_row_kernel<T, VEC, P, false>);
+  };
+  switch (per_thread) {
+    case 1: return with_vecs(std::integral_constant<int, 1>{});
+    case 2: return with_vecs(std::integral_constant<int, 2>{});
+    case 4: return with_vecs(std::integral_constant<int, 4>{});
+    default: TORCH_INTERNAL_ASSERT(false, "fused_add_rms_norm rows: 1, 2 or 4 vectors a thread, not ", per_thread);
+  }
+}
+
 // Eight keep a row of up to 8192 vectors in registers, where four re-read its tail
 // (docs/decisions.md).
 constexpr int kWideCachedVecs = 8;
@@ -934,10 +1036,11 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
   const bool fills_threads = (nvec & (nvec - 1)) == 0;
   return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
 }
-// Weighted rows after a residual add, fewer than two per SM (decode steps), take the
-// two-vector kernel at one vector a thread: it loads the weight with the row, where the
-// four-vector kernel loads it after the reduction, one memory round trip more on a
-// latency-bound row (docs/decisions.md).
+// Weighted rows after a residual add, fewer than two per SM (decode steps), that
+// rms_norm_residual_row_kernel does not take (a gate, statistics) run the two-vector kernel
+// at one vector a thread: it loads the weight with the row, where the four-vector kernel
+// loads it after the reduction, one memory round trip more on a latency-bound row
+// (docs/decisions.md).
 template <typename W, int V, bool RESIDUAL, bool MODULATE>
 constexpr bool kPreloadsDecodeWeight = RESIDUAL && !MODULATE && V * sizeof(W) == 16;
 // Plain fp32 rows of four vectors share blocks of this many threads; 16-bit and fused rows
@@ -978,6 +1081,12 @@ void launch(const NormArgs& a, cudaStream_t stream) {
                    10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
   // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).
+  if constexpr (KIND == NormKind::kRms && RESIDUAL && !MODULATE && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+    if (vector && !many_rows && a.weight != nullptr && a.gate.ptr == nullptr && a.stats == nullptr &&
+        a.residual_out != nullptr && residual_row_vecs(nvec) > 0) {
+      return launch_rms_norm_residual_rows<T, V>(a, residual_row_vecs(nvec), stream);
+    }
+  }
   int cached = kCachedVecs;
   if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads) {
     cached = 1;

@@ -99,10 +99,12 @@ def test_fused_add_rms_norm(kernel, device, shape, dtype, with_weight):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_add_rms_norm_in_place(kernel, device, dtype):
-    """vLLM style: x receives the norm, residual the sum (rows long enough to re-read)."""
-    x, res = make((6, 40000), dtype, device), make((6, 40000), dtype, device)
-    w = make((40000,), dtype, device)
+@pytest.mark.parametrize("shape", [(6, 40000), (3, 4096)], ids=shape_id)
+def test_fused_add_rms_norm_in_place(kernel, device, dtype, shape):
+    """vLLM style: x receives the norm, residual the sum: rows long enough to re-read, and
+    decode rows (CUDA: the residual row kernel, which stores the sum before its reduction)."""
+    x, res = make(shape, dtype, device), make(shape, dtype, device)
+    w = make(shape[-1:], dtype, device)
     h_ref = (x.double() + res.double()).to(dtype)
     y_ref = rms_norm_ref(h_ref, w, 1e-6)
     y, h = kernel.fused_add_rms_norm(x, res, w, 1e-6, out=x, residual_out=res)

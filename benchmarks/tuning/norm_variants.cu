@@ -7,11 +7,13 @@
 //                                        cast_before_weight, cached, per_thread, block)
 //   torch.ops.norm_variants.run_fp8(x, weight, eps, cast_before_weight, cached, per_thread,
 //                                   block) -> (q, scales)
-// cached = 0 is `launch` (what the package runs). Otherwise `norm_kernel` with `cached`
+// cached = 0 is `launch` (what the package runs); -1, -2 or -4 (residual rows) is
+// rms_norm_residual_row_kernel at that many vectors a thread. Otherwise `norm_kernel` with `cached`
 // 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
 // covers it at `per_thread` vectors a thread (0: `cached`), and rows sharing blocks of
-// `block` threads (0: a block a row). The kernels' register bounds are production's
-// (bound_threads, bound_min_blocks): a variant tunes the launch, not the kernel.
+// `block` threads (0: a block a row, or 128 threads for rows of a warp or less). The kernels'
+// register bounds are production's (bound_threads, bound_min_blocks): a variant tunes the
+// launch, not the kernel.
 // norm_variants.py builds and times them.
 #include "fp8.h"
 #include "norm_forward.cuh"
@@ -30,7 +32,9 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int 
   TORCH_CHECK((vectorizable<T, W, LO, V>(a)), "norm_variants: 16-byte aligned rows only");
   constexpr int kMaxThreads = bound_threads(CACHED, RESIDUAL, false);  // the kernel's __launch_bounds__
   const int64_t nvec = a.cols / V;
-  const RowLaunch cfg = row_launch(nvec, per_thread > 0 ? per_thread : CACHED, kMaxThreads, block);
+  RowLaunch cfg = row_launch(nvec, per_thread > 0 ? per_thread : CACHED, kMaxThreads, block);
+  // Rows of a warp or less share 128-thread blocks in production; a variant may ask for others.
+  if (block > 0 && cfg.threads_per_row <= 32) cfg.block = block;
   // Only the four-vector kernel re-reads what its registers do not hold.
   TORCH_CHECK(CACHED == kCachedVecs || cfg.threads_per_row * CACHED >= nvec, "norm_variants: ", CACHED,
               " vectors a thread on at most ", kMaxThreads, " threads do not cover ", nvec, " vectors");
@@ -43,6 +47,9 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int 
 // makes it, and the FP8 out).
 template <typename T, typename W, typename O, bool RESIDUAL>
 void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thread, int block) {
+  if constexpr (RESIDUAL && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+    if (cached < 0) return launch_rms_norm_residual_rows<T, kVec16<T>>(a, -cached, stream);
+  }
   switch (cached) {
     case 0: return launch<T, W, O, NormKind::kRms, RESIDUAL, false>(a, stream);
     case 1: return launch_variant<T, W, O, 1, RESIDUAL>(a, stream, per_thread, block);

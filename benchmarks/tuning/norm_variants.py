@@ -11,8 +11,9 @@ and each variant's max error against fp64 next to production's.
 
 A variant is CACHED/BLOCK or CACHED/PER_THREAD/BLOCK: 16-byte vectors a thread of
 `norm_kernel` holds (0: the package's launch), the vectors a thread the row's threads are
-counted for (default CACHED) and the threads of a block that rows share (0: a block a row). The .cu is built with
-nvcc against this python's torch into .build-cache/norm_variants (sm of the GPU only) and
+counted for (default CACHED) and the threads of a block that rows share (0: a block a row).
+Residual rows also take rN: the residual row kernel at N vectors a thread (1, 2 or 4). The
+.cu is built with nvcc against this python's torch into .build-cache/norm_variants (sm of the GPU only) and
 loaded as a torch op library. Tune a launch here, then port the winner into
 norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package build.
 
@@ -48,12 +49,20 @@ SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float3
           # over the LLM widths where compile's fused add + norm is the peer to beat.
           "residual": [(rows, d, torch.bfloat16, True) for rows in (1, 8192)
                        for d in (4096, 5120, 6144, 7168, 8192)],
+          # the size sweep's missed cells off the model shapes: one row, rows just under two
+          # an SM (256), rows of 256 elements; plain and after a residual add
+          "gaps": [(rows, d, torch.bfloat16, True) for rows, d in
+                   ((1, 256), (1, 2048), (1, 4096), (256, 2048), (256, 4096), (4096, 256), (4096, 512))],
+          "residual-gaps": [(rows, d, torch.bfloat16, True) for rows, d in
+                            ((1, 256), (1, 2560), (1, 4096), (1, 8192), (1, 16384), (64, 4096), (256, 4096),
+                             (256, 9728), (4096, 256), (4096, 2560), (8192, 4096), (8192, 8192))],
           # rms_norm_fp8: LTX-Video's tokens (batch 2 at 49 frames; diffusers' norm has no
           # weight), its 2 x 2688 tokens, and LLM prefills
           "fp8": [(2 * 21504, 2048, torch.bfloat16, False), (2 * 21504, 2048, torch.bfloat16, True),
                   (8192, 4096, torch.bfloat16, True), (5376, 2048, torch.bfloat16, True),
                   (32768, 4096, torch.bfloat16, True)]}
 SMALL_SETS = 192  # rotated input sets at most (as the sweep): decode rows would want thousands
+MAX_CALLS = 512  # calls a graph holds at most (as the sweep)
 EPS = 1e-6
 DEFAULT_VARIANTS = "0/0,2/0,2/512,2/1024,4/0,4/256,4/512,4/1024,1/0,1/256"
 # FP8 rows: production runs D = 2048 (bf16) at four vectors a thread, a 64-thread block a row;
@@ -74,7 +83,7 @@ def reference(ltx, weighted):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", help=f"default {DEFAULT_VARIANTS}; with --shapes fp8 {FP8_VARIANTS}")
-    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "fp8", "all"], default="fp32")
+    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "gaps", "residual-gaps", "fp8", "all"], default="fp32")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
@@ -90,7 +99,7 @@ def main():
     if args.shapes == "fp8":
         return fp8_rows(ltx, (args.variants or FP8_VARIANTS).split(","), bandwidth, args.reps)
     variants = (args.variants or DEFAULT_VARIANTS).split(",")
-    residual_rows = args.shapes == "residual"
+    residual_rows = args.shapes in ("residual", "residual-gaps")
     liger = bench_ops.load_libraries(on_cuda=True).attr("liger", "LigerFusedAddRMSNormFunction")
 
     def variant(spec):
@@ -152,11 +161,15 @@ def main():
             if name != "compile" and err > limit:
                 skipped[name] = f"WRONG RESULT (max error {err:.1e}, production's {errors['0/0']:.1e})"
         notes = {name: f"  err {err:.1e}" for name, err in errors.items()}
-        harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="compile", notes=notes)
+        harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="compile", notes=notes,
+                               max_calls=MAX_CALLS)
 
 
 def parse_variant(spec):
-    """CACHED/BLOCK or CACHED/PER_THREAD/BLOCK as (cached, per_thread, block)."""
+    """CACHED/BLOCK or CACHED/PER_THREAD/BLOCK as (cached, per_thread, block); rN (residual
+    rows): the residual row kernel at N vectors a thread, as (-N, 0, 0)."""
+    if spec.startswith("r"):
+        return -int(spec[1:]), 0, 0
     cached, *launch = (int(v) for v in spec.split("/"))
     per_thread, block = launch if len(launch) == 2 else (0, launch[0])
     return cached, per_thread, block

@@ -34,6 +34,7 @@ SHAPES = {"big": [(1, 32, 8, 8192, 128, torch.bfloat16), (4, 32, 8, 4096, 128, t
           # a decode step: one token of each of a few sequences (Llama-8B's heads)
           "decode": [(b, 32, 8, 1, 128, torch.bfloat16) for b in (1, 2, 4, 8)]}
 SMALL_SETS = 192  # rotated input sets at most (as the sweep): decode inputs would want thousands
+MAX_CALLS = 512  # calls a graph holds at most (as the sweep)
 
 
 def main():
@@ -84,7 +85,8 @@ def main():
                 continue
             if not all(torch.equal(o, r) for o, r in zip(out, reference)):
                 skipped[name] = "WRONG RESULT (not bit-equal to production)"
-        harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="liger", width=42)
+        harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="liger", width=42,
+                               max_calls=MAX_CALLS)
 
 
 if __name__ == "__main__":
