@@ -1,6 +1,7 @@
 """Forward results are bitwise deterministic: the same input gives the same bits run to
 run, and under conditions that must not matter: the CPU thread count, the batch a row
-is computed in, where the input lives in memory, and (CUDA) the stream."""
+is computed in (on CUDA, batches of one launch regime: docs/numerics.md), where the input
+lives in memory, and (CUDA) the stream."""
 
 import pytest
 import torch
