@@ -98,6 +98,24 @@ def test_fused_add_rms_norm(kernel, device, shape, dtype, with_weight):
     assert_close(y, rms_norm_ref(h_ref, w, 1e-6), dtype)
 
 
+# Decode rows (CUDA: the residual row kernel at two vectors a thread, a partial last warp at
+# 2560 wide, four at 16384) with each option of the op: Gemma's weight offset, the Llama order.
+@pytest.mark.parametrize("cast_before_weight", [False, True], ids=["fp32_weight", "llama_order"])
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0], ids=["w", "1+w"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2560), (5, 4096), (2, 16384)], ids=shape_id)
+def test_fused_add_rms_norm_options(kernel, device, shape, dtype, weight_offset, cast_before_weight):
+    x, res = make(shape, dtype, device), make(shape, dtype, device)
+    w = make(shape[-1:], dtype, device, scale=0.1 if weight_offset else 1.0)
+    y, h = kernel.fused_add_rms_norm(x, res, w, 1e-6, weight_offset=weight_offset,
+                                     cast_before_weight=cast_before_weight)
+    h_ref = (x.double() + res.double()).to(dtype)
+    assert torch.equal(h, h_ref)
+    roundings = 2 if cast_before_weight and dtype != torch.float32 else 1
+    assert_close(y, rms_norm_ref(h_ref, w, 1e-6, weight_offset=weight_offset, cast_before_weight=cast_before_weight),
+                 dtype, roundings=roundings)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(6, 40000), (3, 4096)], ids=shape_id)
 def test_fused_add_rms_norm_in_place(kernel, device, dtype, shape):
