@@ -8,7 +8,8 @@
 //   torch.ops.norm_variants.run_fp8(x, weight, eps, cast_before_weight, cached, per_thread,
 //                                   block) -> (q, scales)
 // cached = 0 is `launch` (what the package runs); -1, -2 or -4 (residual rows) is
-// rms_norm_residual_row_kernel at that many vectors a thread. Otherwise `norm_kernel` with `cached`
+// rms_norm_residual_row_kernel at that many vectors a thread; -B (plain rows) is
+// rms_norm_row_kernel on blocks of B threads, a row each. Otherwise `norm_kernel` with `cached`
 // 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
 // covers it at `per_thread` vectors a thread (0: `cached`), and rows sharing blocks of
 // `block` threads (0: a block a row, or 128 threads for rows of a warp or less). The kernels'
@@ -49,6 +50,16 @@ template <typename T, typename W, typename O, bool RESIDUAL>
 void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thread, int block) {
   if constexpr (RESIDUAL && std::is_same_v<W, T> && std::is_same_v<O, T>) {
     if (cached < 0) return launch_rms_norm_residual_rows<T, kVec16<T>>(a, -cached, stream);
+  }
+  if constexpr (!RESIDUAL && !kFp8Out<O>) {
+    if (cached < 0) {  // rms_norm_row_kernel, a block of -cached threads a row, two vectors each
+      const int block = -cached;
+      TORCH_CHECK(block % 32 == 0 && block <= kTwoVecThreads && 2 * block >= a.cols / kVec16<T> && a.weight != nullptr,
+                  "norm_variants: the row kernel takes a weight and whole warps, at most ", kTwoVecThreads,
+                  ", two vectors each covering the row");
+      TORCH_CHECK((vectorizable<T, W, O, kVec16<T>>(a)), "norm_variants: 16-byte aligned rows only");
+      return launch_rms_norm_rows<T, W, O, kVec16<T>>(a, 2, block, stream);
+    }
   }
   switch (cached) {
     case 0: return launch<T, W, O, NormKind::kRms, RESIDUAL, false>(a, stream);

@@ -12,9 +12,10 @@ and each variant's max error against fp64 next to production's.
 A variant is CACHED/BLOCK or CACHED/PER_THREAD/BLOCK: 16-byte vectors a thread of
 `norm_kernel` holds (0: the package's launch), the vectors a thread the row's threads are
 counted for (default CACHED) and the threads of a block that rows share (0: a block a row).
-Residual rows also take rN: the residual row kernel at N vectors a thread (1, 2 or 4). The
-.cu is built with nvcc against this python's torch into .build-cache/norm_variants (sm of the GPU only) and
-loaded as a torch op library. Tune a launch here, then port the winner into
+Residual rows also take rN: the residual row kernel at N vectors a thread (1, 2 or 4); plain
+rows pB: the plain row kernel (two vectors a thread) on a block of B threads a row. The .cu
+is built with nvcc against this python's torch into .build-cache/norm_variants (sm of the
+GPU only) and loaded as a torch op library. Tune a launch here, then port the winner into
 norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package build.
 
 `--shapes fp8` (compute capability 8.9 or newer) times rms_norm_fp8's rows (FP8 out, an fp32
@@ -167,8 +168,9 @@ def main():
 
 def parse_variant(spec):
     """CACHED/BLOCK or CACHED/PER_THREAD/BLOCK as (cached, per_thread, block); rN (residual
-    rows): the residual row kernel at N vectors a thread, as (-N, 0, 0)."""
-    if spec.startswith("r"):
+    rows): the residual row kernel at N vectors a thread, and pB (plain rows): the row kernel
+    on B threads, both as (-N or -B, 0, 0)."""
+    if spec[0] in "rp":
         return -int(spec[1:]), 0, 0
     cached, *launch = (int(v) for v in spec.split("/"))
     per_thread, block = launch if len(launch) == 2 else (0, launch[0])
