@@ -1080,13 +1080,14 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
                    10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
-  // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).
+  // fused_add_rms_norm's decode rows: a kernel of their own.
   if constexpr (KIND == NormKind::kRms && RESIDUAL && !MODULATE && std::is_same_v<W, T> && std::is_same_v<O, T>) {
     if (vector && !many_rows && a.weight != nullptr && a.gate.ptr == nullptr && a.stats == nullptr &&
         a.residual_out != nullptr && residual_row_vecs(nvec) > 0) {
       return launch_rms_norm_residual_rows<T, V>(a, residual_row_vecs(nvec), stream);
     }
   }
+  // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).
   int cached = kCachedVecs;
   if (RESIDUAL && vector && many_rows && nvec <= kOneVecThreads) {
     cached = 1;
