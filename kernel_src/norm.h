@@ -436,7 +436,8 @@ void rms_norm_out(at::Tensor& out, const at::Tensor& input, const std::optional<
 
 // residual_out = input + residual (rounded to the input dtype, as the hosts add), then
 // out = rms_norm(residual_out) as rms_norm_out. out and residual_out may be input and
-// residual themselves (in-place, vLLM style).
+// residual themselves (in-place, vLLM style); residual_out shares no memory with the weight
+// (the sum would overwrite it before the norm reads it).
 template <class Backend>
 void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& input,
                             const at::Tensor& residual, const std::optional<at::Tensor>& weight, double eps,
@@ -448,8 +449,8 @@ void fused_add_rms_norm_out(at::Tensor& out, at::Tensor& residual_out, const at:
   a.residual_out_stride = c.like_input(residual_out, "residual_out", a.dtype);
   check_disjoint_outputs(out, residual_out, op, "out", "residual_out");
   check_output_overlap(out, {{&residual, "residual"}}, op, "out");
-  check_output_overlap(residual_out, {{&input, "input"}, {&residual, "residual"}, {weight ? &*weight : nullptr, "weight"}},
-                       op, "residual_out");
+  check_output_overlap(residual_out, {{&input, "input"}, {&residual, "residual"}}, op, "residual_out");
+  if (weight) check_disjoint_outputs(residual_out, *weight, op, "residual_out", "weight");
   a.residual = residual.const_data_ptr();
   a.residual_out = residual_out.mutable_data_ptr();
   if (a.rows > 0) Backend::run(a);

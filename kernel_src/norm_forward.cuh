@@ -1037,8 +1037,8 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
   return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
 }
 // Weighted rows after a residual add, fewer than two per SM (decode steps), that
-// rms_norm_residual_row_kernel does not take (a gate, statistics) run the two-vector kernel
-// at one vector a thread: it loads the weight with the row, where the four-vector kernel
+// rms_norm_residual_row_kernel does not take (a norm written over the weight) run the
+// two-vector kernel at one vector a thread: it loads the weight with the row, where the four-vector kernel
 // loads it after the reduction, one memory round trip more on a latency-bound row
 // (docs/decisions.md).
 template <typename W, int V, bool RESIDUAL, bool MODULATE>
@@ -1080,10 +1080,11 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
                    10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
-  // fused_add_rms_norm's decode rows: a kernel of their own.
+  // fused_add_rms_norm's decode rows: a kernel of their own, whose weight is read-only
+  // (__restrict__), where a one-row call may write its norm over the weight.
   if constexpr (KIND == NormKind::kRms && RESIDUAL && !MODULATE && std::is_same_v<W, T> && std::is_same_v<O, T>) {
     if (vector && !many_rows && a.weight != nullptr && a.gate.ptr == nullptr && a.stats == nullptr &&
-        a.residual_out != nullptr && residual_row_vecs(nvec) > 0) {
+        a.residual_out != nullptr && a.out != a.weight && residual_row_vecs(nvec) > 0) {
       return launch_rms_norm_residual_rows<T, V>(a, residual_row_vecs(nvec), stream);
     }
   }

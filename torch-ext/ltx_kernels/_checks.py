@@ -464,8 +464,9 @@ def fused_add_rms_norm_out(device, out, residual_out, input, residual, weight, e
     c.like_input(residual_out, "residual_out", input.dtype)
     check_disjoint_outputs(out, residual_out, op, "out", "residual_out")
     check_output_overlap(out, ((residual, "residual"),), op, "out")
-    check_output_overlap(residual_out, ((input, "input"), (residual, "residual"), (weight, "weight")), op,
-                         "residual_out")
+    check_output_overlap(residual_out, ((input, "input"), (residual, "residual")), op, "residual_out")
+    if weight is not None:  # the sum would overwrite the weight before the norm reads it
+        check_disjoint_outputs(residual_out, weight, op, "residual_out", "weight")
 
 
 def adaln_out(device, out, input, scale, shift, eps, norm) -> None:
