@@ -707,19 +707,14 @@ __global__ void __launch_bounds__(kTwoVecThreads)
   }
 }
 
-// Vectors a thread of rms_norm_residual_row_kernel for a row of nvec vectors (0: it does
-// not take the row): two, as Liger's program for such rows, or four past 1024 vectors.
-inline int residual_row_vecs(int64_t nvec) {
-  return nvec <= 2 * kTwoVecThreads ? 2 : nvec <= 4 * kTwoVecThreads ? 4 : 0;
-}
-
-template <typename T, int VEC>
-void launch_rms_norm_residual_rows(const NormArgs& a, int per_thread, cudaStream_t stream) {
+// rms_norm_residual_row_kernel over the rows at PER vectors a thread, on as few whole warps
+// (block_sum) as cover a row.
+template <typename T, int VEC, int PER>
+void launch_rms_norm_residual_rows(const NormArgs& a, cudaStream_t stream) {
   TORCH_CHECK(a.rows <= INT32_MAX, "fused_add_rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
   const int nvec = static_cast<int>(a.cols / VEC);
-  // whole warps (block_sum), as few as cover the row at per_thread vectors each
-  const int threads = ((nvec + per_thread - 1) / per_thread + 31) / 32 * 32;
-  TORCH_INTERNAL_ASSERT(threads <= kTwoVecThreads, "fused_add_rms_norm rows: ", nvec, " vectors at ", per_thread,
+  const int threads = ((nvec + PER - 1) / PER + 31) / 32 * 32;
+  TORCH_INTERNAL_ASSERT(threads <= kTwoVecThreads, "fused_add_rms_norm rows: ", nvec, " vectors at ", PER,
                         " a thread");
   const auto run = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(a.rows), threads, 0, stream>>>(
@@ -728,19 +723,10 @@ void launch_rms_norm_residual_rows(const NormArgs& a, int per_thread, cudaStream
         a.residual_out_stride, nvec, a.eps, a.inv_cols, a.weight_offset);
     check_launch();
   };
-  const auto with_vecs = [&](auto per) {
-    constexpr int P = decltype(per)::value;
-    if constexpr (sizeof(T) == 2) {
-      if (a.cast_before_weight) return run(rms_norm_residual_row_kernel<T, VEC, P, true>);
-    }
-    run(rms_norm_residual_row_kernel<T, VEC, P, false>);
-  };
-  switch (per_thread) {
-    case 1: return with_vecs(std::integral_constant<int, 1>{});
-    case 2: return with_vecs(std::integral_constant<int, 2>{});
-    case 4: return with_vecs(std::integral_constant<int, 4>{});
-    default: TORCH_INTERNAL_ASSERT(false, "fused_add_rms_norm rows: 1, 2 or 4 vectors a thread, not ", per_thread);
+  if constexpr (sizeof(T) == 2) {
+    if (a.cast_before_weight) return run(rms_norm_residual_row_kernel<T, VEC, PER, true>);
   }
+  run(rms_norm_residual_row_kernel<T, VEC, PER, false>);
 }
 
 // Eight keep a row of up to 8192 vectors in registers, where four re-read its tail
@@ -1038,9 +1024,9 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
 }
 // Weighted rows after a residual add, fewer than two per SM (decode steps), that
 // rms_norm_residual_row_kernel does not take (a norm written over the weight) run the
-// two-vector kernel at one vector a thread: it loads the weight with the row, where the four-vector kernel
-// loads it after the reduction, one memory round trip more on a latency-bound row
-// (docs/decisions.md).
+// two-vector kernel at one vector a thread: it loads the weight with the row, where the
+// four-vector kernel loads it after the reduction, one memory round trip more on a
+// latency-bound row (docs/decisions.md).
 template <typename W, int V, bool RESIDUAL, bool MODULATE>
 constexpr bool kPreloadsDecodeWeight = RESIDUAL && !MODULATE && V * sizeof(W) == 16;
 // Plain fp32 rows of four vectors share blocks of this many threads; 16-bit and fused rows
@@ -1080,12 +1066,14 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
                    10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
-  // fused_add_rms_norm's decode rows: a kernel of their own, whose weight is read-only
+  // fused_add_rms_norm's decode rows: a kernel of their own at two vectors a thread, as
+  // Liger's program for such rows, four past 1024 vectors. Its weight is read-only
   // (__restrict__), where a one-row call may write its norm over the weight.
   if constexpr (KIND == NormKind::kRms && RESIDUAL && !MODULATE && std::is_same_v<W, T> && std::is_same_v<O, T>) {
     if (vector && !many_rows && a.weight != nullptr && a.gate.ptr == nullptr && a.stats == nullptr &&
-        a.residual_out != nullptr && a.out != a.weight && residual_row_vecs(nvec) > 0) {
-      return launch_rms_norm_residual_rows<T, V>(a, residual_row_vecs(nvec), stream);
+        a.residual_out != nullptr && a.out != a.weight && nvec <= 4 * kTwoVecThreads) {
+      return nvec <= 2 * kTwoVecThreads ? launch_rms_norm_residual_rows<T, V, 2>(a, stream)
+                                        : launch_rms_norm_residual_rows<T, V, 4>(a, stream);
     }
   }
   // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).

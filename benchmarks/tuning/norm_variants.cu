@@ -49,7 +49,12 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int 
 template <typename T, typename W, typename O, bool RESIDUAL>
 void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thread, int block) {
   if constexpr (RESIDUAL && std::is_same_v<W, T> && std::is_same_v<O, T>) {
-    if (cached < 0) return launch_rms_norm_residual_rows<T, kVec16<T>>(a, -cached, stream);
+    switch (cached) {
+      case -1: return launch_rms_norm_residual_rows<T, kVec16<T>, 1>(a, stream);
+      case -2: return launch_rms_norm_residual_rows<T, kVec16<T>, 2>(a, stream);
+      case -4: return launch_rms_norm_residual_rows<T, kVec16<T>, 4>(a, stream);
+      default: TORCH_CHECK(cached >= 0, "norm_variants: the residual row kernel at 1, 2 or 4 vectors a thread");
+    }
   }
   if constexpr (!RESIDUAL && !kFp8Out<O>) {
     if (cached < 0) {  // rms_norm_row_kernel, a block of -cached threads a row, two vectors each
