@@ -95,6 +95,17 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* base, int vec_index) {
   return reinterpret_cast<const Vec<T, N>*>(base)[vec_index];
 }
 
+// A 16-byte vector by the read-only (non-coherent) path, as a __restrict__ const operand
+// loads: only for memory that no thread of the kernel writes before this read.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec_read_only(const T* base, int vec_index) {
+  static_assert(sizeof(Vec<T, N>) == sizeof(uint4), "load_vec_read_only: 16-byte vectors");
+  const uint4 bits = __ldg(reinterpret_cast<const uint4*>(base) + vec_index);
+  Vec<T, N> v;
+  *reinterpret_cast<uint4*>(&v) = bits;
+  return v;
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* base, int vec_index, const Vec<T, N>& v) {
   reinterpret_cast<Vec<T, N>*>(base)[vec_index] = v;

@@ -641,92 +641,189 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   if (has1) write(f1, w1, i1);
 }
 
-// Decode rows of fused_add_rms_norm (RMSNorm after a residual add, a weight of the input's
-// dtype; no gate, AdaLN or statistics): a block a row, PER vectors a thread, the Llama
-// order's rounding a template flag and 32-bit indices: on such latency-bound rows the general
-// kernel, its options tested at run time and its offsets 64-bit, issued about 1.5 times the
-// instructions of Liger's program at as many threads (docs/decisions.md). The row's loads
-// all precede the sum's stores: residual_out may be the residual or the input.
-template <typename T, int VEC, int PER, bool CAST>
-__global__ void __launch_bounds__(kTwoVecThreads)
-    rms_norm_residual_row_kernel(const T* input, const T* residual, const T* __restrict__ weight, T* out,
-                                 T* residual_out, int64_t input_stride, int64_t residual_stride, int64_t out_stride,
-                                 int64_t residual_out_stride, int nvec, float eps, float inv_cols,
-                                 float weight_offset) {
-  __shared__ float scratch[32];
-  const T* x = input + blockIdx.x * input_stride;
-  const T* res = residual + blockIdx.x * residual_stride;
-  Vec<T, VEC> xv[PER], rv[PER], wv[PER];
+// The norm family's lean rows: 16-bit rows out in their own dtype, without statistics, whose
+// options are all template flags (the op: KIND, RESIDUAL, MODULATE; WEIGHTED; the Llama
+// order's CAST) and whose offsets are 32-bit, where norm_kernel tests its options at run time
+// and offsets in 64 bits: latency-bound rows (decode steps, rows of up to 512 elements) spend
+// their time in those instructions (docs/decisions.md). PER vectors a thread; a row takes a
+// block (BLOCK_ROWS: as many whole warps as cover it) or a group of 2^row_shift threads (a
+// warp or less) in blocks of several rows. Every load of a row precedes the reduction and
+// every store follows it, but the residual sum's: residual_out may be the residual or the
+// input, and out the input. After a residual add the AdaLN rows (RESIDUAL and MODULATE) are
+// the gated residual's, with a gate; fused_add_rms_norm's have none. The weight, scale and
+// shift load by the read-only path: no output overlaps them, but out may be scale or shift
+// themselves, each element written by the thread that read it, after it (lean_rows keeps out
+// off the weight).
+constexpr int kLeanThreads = 512;
+template <typename T, int VEC, int PER, bool BLOCK_ROWS, NormKind KIND, bool RESIDUAL, bool MODULATE, bool WEIGHTED,
+          bool CAST>
+__global__ void __launch_bounds__(kLeanThreads)
+    norm_lean_kernel(const NormParams<T, T, T> p, int row_shift) {
+  static_assert(!(MODULATE && WEIGHTED) && (!CAST || WEIGHTED));
+  constexpr bool kGated = RESIDUAL && MODULATE;
+  constexpr bool kLayer = KIND == NormKind::kLayer;
+  __shared__ float scratch[2][32];
+  const int threads = BLOCK_ROWS ? blockDim.x : 1 << row_shift;
+  const int t = BLOCK_ROWS ? threadIdx.x : threadIdx.x & (threads - 1);
+  const int row = BLOCK_ROWS ? blockIdx.x : (blockIdx.x * blockDim.x + threadIdx.x) >> row_shift;
+  // Threads past the last row take part in the reduction (a group may share a warp).
+  const bool active = BLOCK_ROWS || row < static_cast<int>(p.rows);
+  const int nvec = p.cols / VEC;
+  const auto has = [&](int k) { return active && t + k * threads < nvec; };
+
+  Vec<T, VEC> v[PER], w[WEIGHTED ? PER : 1], sc[MODULATE ? PER : 1], sh[MODULATE ? PER : 1];
+  // Offsets within 32 bits (lean_rows checks it).
+  const T* x = p.input + row * static_cast<int>(p.input_stride);
+  const T* res = RESIDUAL ? p.residual + row * static_cast<int>(p.residual_stride) : nullptr;
+  T* res_out = RESIDUAL ? p.residual_out + row * static_cast<int>(p.residual_out_stride) : nullptr;
+  const T *gate = nullptr, *scale = nullptr, *shift = nullptr;
+  if constexpr (MODULATE) {
+    const uint32_t batch = p.tokens.div(static_cast<uint32_t>(row));
+    const uint32_t token = static_cast<uint32_t>(row) - batch * p.tokens.divisor;
+    if constexpr (kGated) gate = p.gate + batch * p.gate_batch + token * p.gate_token;
+    scale = p.scale + batch * p.scale_batch + token * p.scale_token;
+    shift = p.shift + batch * p.shift_batch + token * p.shift_token;
+  }
+  Vec<T, VEC> rv[RESIDUAL ? PER : 1], gv[kGated ? PER : 1];
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i < nvec) {
-      wv[k] = load_vec<T, VEC>(weight, i);
-      xv[k] = load_vec<T, VEC>(x, i);
-      rv[k] = load_vec<T, VEC>(res, i);
+    const int i = t + k * threads;
+    if (!has(k)) continue;
+    if constexpr (WEIGHTED) w[k] = load_vec_read_only<T, VEC>(p.weight, i);
+    v[k] = load_vec<T, VEC>(x, i);
+    if constexpr (RESIDUAL) rv[k] = load_vec<T, VEC>(res, i);
+    if constexpr (kGated) gv[k] = load_vec<T, VEC>(gate, i);
+    if constexpr (MODULATE) sc[k] = load_vec_read_only<T, VEC>(scale, i), sh[k] = load_vec_read_only<T, VEC>(shift, i);
+  }
+  // LayerNorm sums offsets from the row's first element (norm_kernel's, see there).
+  float first = 0.f;
+  if constexpr (kLayer) {
+    if (active) {
+      first = RESIDUAL ? to_float(from_float<T>(to_float(res[0]) + to_float(x[0]) * (kGated ? to_float(gate[0]) : 1.f)))
+                       : to_float(x[0]);
     }
   }
-  T* h = residual_out + blockIdx.x * residual_out_stride;
-  float f[PER][VEC];
-  float sum_sq = 0.f;
+  if constexpr (RESIDUAL) {
 #pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i < nvec) {
-      Vec<T, VEC> sum;
+    for (int k = 0; k < PER; ++k) {
+      if (!has(k)) continue;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) sum.v[j] = from_float<T>(to_float(rv[k].v[j]) + to_float(xv[k].v[j]));
-      store_vec<T, VEC>(h, i, sum);
-      to_floats(sum, f[k]);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) sum_sq += f[k][j] * f[k][j];
+      for (int j = 0; j < VEC; ++j) {
+        const float added = kGated ? to_float(v[k].v[j]) * to_float(gv[k].v[j]) : to_float(v[k].v[j]);
+        v[k].v[j] = from_float<T>(to_float(rv[k].v[j]) + added);
+      }
     }
   }
-  const float rstd = rsqrtf(block_sum(sum_sq, scratch) * inv_cols + eps);
-  T* y = out + blockIdx.x * out_stride;
+  // The sums, stored once the row's loads are done; LayerNorm's wait for the first reduction,
+  // as every lane reads the row's first element.
+  const auto store_sums = [&] {
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      if (has(k)) store_vec<T, VEC>(res_out, t + k * threads, v[k]);
+    }
+  };
+  if constexpr (RESIDUAL && !kLayer) store_sums();
+  const auto reduce = [&](float acc, float* slots) { return BLOCK_ROWS ? block_sum(acc, slots) : group_sum(acc, threads); };
+  float acc = 0.f;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i >= nvec) continue;
+    if (has(k)) acc += vec_sum(v[k], first, !kLayer);
+  }
+  acc = reduce(acc, scratch[0]);
+  float mean = 0.f;
+  if constexpr (kLayer) {
+    if constexpr (RESIDUAL) store_sums();
+    mean = first + acc * p.inv_cols;
+    acc = 0.f;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) f[k][j] *= rstd;
+    for (int k = 0; k < PER; ++k) {
+      if (has(k)) acc += vec_sum(v[k], mean, true);
+    }
+    acc = reduce(acc, scratch[1]);
+  }
+  const float rstd = rsqrtf(acc * p.inv_cols + p.eps);
+  T* y = p.out + row * static_cast<int>(p.out_stride);
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = t + k * threads;
+    if (!has(k)) continue;
+    float f[VEC];
+    to_floats(v[k], f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = (kLayer ? f[j] - mean : f[j]) * rstd;
     if constexpr (CAST && kPackedMul<T>) {
-      if (weight_offset == 0.f) {
-        store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f[k]), wv[k]));
+      if (p.weight_offset == 0.f) {
+        store_vec<T, VEC>(y, i, mul_rounded(from_floats<T>(f), w[k]));
         continue;
       }
     }
-    float wf[VEC];
-    to_floats(wv[k], wf);
+    float wf[VEC], scf[VEC], shf[VEC];
+    if constexpr (WEIGHTED) to_floats(w[k], wf);
+    if constexpr (MODULATE) to_floats(sc[k], scf), to_floats(sh[k], shf);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      if constexpr (CAST) f[k][j] = to_float(from_float<T>(f[k][j]));
-      f[k][j] *= weight_offset + wf[j];
+      if constexpr (CAST) f[j] = to_float(from_float<T>(f[j]));
+      if constexpr (WEIGHTED) f[j] *= p.weight_offset + wf[j];
+      if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
     }
-    store_vec<T, VEC>(y, i, from_floats<T>(f[k]));
+    store_vec<T, VEC>(y, i, from_floats<T>(f));
   }
 }
 
-// rms_norm_residual_row_kernel over the rows at PER vectors a thread, on as few whole warps
-// (block_sum) as cover a row.
-template <typename T, int VEC, int PER>
-void launch_rms_norm_residual_rows(const NormArgs& a, cudaStream_t stream) {
-  TORCH_CHECK(a.rows <= INT32_MAX, "fused_add_rms_norm: at most 2^31 - 1 rows of ", a.cols, " on CUDA, got ", a.rows);
-  const int nvec = static_cast<int>(a.cols / VEC);
-  const int threads = ((nvec + PER - 1) / PER + 31) / 32 * 32;
-  TORCH_INTERNAL_ASSERT(threads <= kTwoVecThreads, "fused_add_rms_norm rows: ", nvec, " vectors at ", PER,
-                        " a thread");
+// Whether norm_lean_kernel can take the rows: 16-bit, of 16-byte vectors, an output of their
+// dtype, no statistics, offsets within 32 bits; a weight of their dtype that the norm does not
+// overwrite (a one-row call may name it as out: the kernel orders the loads and stores of a
+// thread, not of the row's threads); a gate exactly where the op has one.
+template <typename T, typename W, typename O, bool RESIDUAL, bool MODULATE>
+bool lean_rows(const NormArgs& a, bool vector) {
+  if constexpr (sizeof(T) != 2 || !std::is_same_v<W, T> || !std::is_same_v<O, T>) {
+    return false;
+  } else {
+    const int64_t reach = std::max({a.input_stride, a.out_stride, a.residual_stride, a.residual_out_stride, a.cols});
+    return vector && a.stats == nullptr && a.out != a.weight && (a.gate.ptr != nullptr) == (RESIDUAL && MODULATE) &&
+           a.rows * reach <= INT32_MAX;
+  }
+}
+
+// norm_lean_kernel over the rows at PER vectors a thread: BLOCK_ROWS, a block a row of as few
+// whole warps as cover it; otherwise each row on the fewest threads (a power of two, at most
+// a warp) that cover it, rows sharing blocks of `block` threads.
+template <typename T, int PER, bool BLOCK_ROWS, NormKind KIND, bool RESIDUAL, bool MODULATE>
+void launch_lean_rows(const NormArgs& a, cudaStream_t stream, int block = 0) {
+  constexpr int V = kVec16<T>;
+  const int wanted = static_cast<int>((a.cols / V + PER - 1) / PER);
+  int shift = 0;
+  while ((1 << shift) < wanted) ++shift;
+  const int threads = BLOCK_ROWS ? (wanted + 31) / 32 * 32 : std::max(block, 1 << shift);
+  const int64_t blocks = BLOCK_ROWS ? a.rows : (a.rows + (threads >> shift) - 1) / (threads >> shift);
+  TORCH_INTERNAL_ASSERT(threads <= kLeanThreads && (BLOCK_ROWS || shift <= 5), "norm lean rows: ", a.cols / V,
+                        " vectors at ", PER, " a thread");
   const auto run = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(a.rows), threads, 0, stream>>>(
-        static_cast<const T*>(a.input), static_cast<const T*>(a.residual), static_cast<const T*>(a.weight),
-        static_cast<T*>(a.out), static_cast<T*>(a.residual_out), a.input_stride, a.residual_stride, a.out_stride,
-        a.residual_out_stride, nvec, a.eps, a.inv_cols, a.weight_offset);
+    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(make_params<T, T, T>(a), shift);
     check_launch();
   };
-  if constexpr (sizeof(T) == 2) {
-    if (a.cast_before_weight) return run(rms_norm_residual_row_kernel<T, VEC, PER, true>);
+  if constexpr (!MODULATE) {
+    if (a.weight != nullptr) {
+      if (a.cast_before_weight) return run(norm_lean_kernel<T, V, PER, BLOCK_ROWS, KIND, RESIDUAL, false, true, true>);
+      return run(norm_lean_kernel<T, V, PER, BLOCK_ROWS, KIND, RESIDUAL, false, true, false>);
+    }
   }
-  run(rms_norm_residual_row_kernel<T, VEC, PER, false>);
+  run(norm_lean_kernel<T, V, PER, BLOCK_ROWS, KIND, RESIDUAL, MODULATE, false, false>);
+}
+
+// The lean rows' production layout: a vector a thread, rows of a warp or less sharing
+// 128-thread blocks (as row_launch's), wider rows a block each; past 512 vectors (the
+// block's bound) two or four vectors a thread, which only rows after a residual add or with
+// AdaLN take (see launch).
+template <typename T, NormKind KIND, bool RESIDUAL, bool MODULATE>
+void launch_lean(const NormArgs& a, int64_t nvec, cudaStream_t stream) {
+  if (nvec <= 32) return launch_lean_rows<T, 1, false, KIND, RESIDUAL, MODULATE>(a, stream, 128);
+  if (nvec <= kLeanThreads) return launch_lean_rows<T, 1, true, KIND, RESIDUAL, MODULATE>(a, stream);
+  if constexpr (RESIDUAL || MODULATE) {
+    if (nvec <= 2 * kLeanThreads) return launch_lean_rows<T, 2, true, KIND, RESIDUAL, MODULATE>(a, stream);
+    return launch_lean_rows<T, 4, true, KIND, RESIDUAL, MODULATE>(a, stream);
+  }
+  TORCH_INTERNAL_ASSERT(false, "norm lean rows: plain RMSNorm rows of ", nvec, " vectors");
 }
 
 // Eight keep a row of up to 8192 vectors in registers, where four re-read its tail
@@ -1011,6 +1108,9 @@ void launch_fp8_warp_rows(const NormArgs& a, cudaStream_t stream) {
   check_launch();
 }
 
+// Rows of at most this many vectors (512 elements in 16 bits) take the lean kernel at any
+// batch (docs/decisions.md).
+constexpr int kLeanNarrowVecs = 64;
 // From this many rows per SM, four vectors a thread beat two (docs/decisions.md).
 constexpr int kTwoVecRowsPerSm = 64;
 // Rows of at most 128 vectors (D <= 1024 in 16 bits) take two vectors a thread at any batch:
@@ -1022,8 +1122,8 @@ constexpr bool two_vec_any_batch(bool modulate, bool preloads_modulation, int64_
   const bool fills_threads = (nvec & (nvec - 1)) == 0;
   return nvec <= 16 || (preloads_modulation && nvec <= 128 && fills_threads);
 }
-// Weighted rows after a residual add, fewer than two per SM (decode steps), that
-// rms_norm_residual_row_kernel does not take (a norm written over the weight) run the
+// Weighted rows after a residual add, fewer than two per SM (decode steps), that the lean
+// kernel does not take (fp32 rows or weight, a norm written over the weight) run the
 // two-vector kernel at one vector a thread: it loads the weight with the row, where the
 // four-vector kernel loads it after the reduction, one memory round trip more on a
 // latency-bound row (docs/decisions.md).
@@ -1066,14 +1166,16 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
                    10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
-  // fused_add_rms_norm's decode rows: a kernel of their own at two vectors a thread, as
-  // Liger's program for such rows, four past 1024 vectors. Its weight is read-only
-  // (__restrict__), where a one-row call may write its norm over the weight.
-  if constexpr (KIND == NormKind::kRms && RESIDUAL && !MODULATE && std::is_same_v<W, T> && std::is_same_v<O, T>) {
-    if (vector && !many_rows && a.weight != nullptr && a.gate.ptr == nullptr && a.stats == nullptr &&
-        a.residual_out != nullptr && a.out != a.weight && nvec <= 4 * kTwoVecThreads) {
-      return nvec <= 2 * kTwoVecThreads ? launch_rms_norm_residual_rows<T, V, 2>(a, stream)
-                                        : launch_rms_norm_residual_rows<T, V, 4>(a, stream);
+  // Lean rows (norm_lean_kernel, launch_lean's layout): rows of up to kLeanNarrowVecs vectors
+  // at any batch; fused_add_rms_norm's rows (a residual add without a gate) of up to 2048
+  // vectors at any batch; the AdaLN rows' (after a gated residual or not) of up to 2048 at
+  // fewer than two rows per SM (decode steps). Plain RMSNorm's wider rows keep
+  // rms_norm_row_kernel, so that its rows with and without a weight sum in one order.
+  if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+    constexpr bool kAnyBatch = RESIDUAL && !MODULATE;
+    if (lean_rows<T, W, O, RESIDUAL, MODULATE>(a, vector) && nvec <= 4 * kLeanThreads &&
+        (nvec <= kLeanNarrowVecs || kAnyBatch || (MODULATE && !many_rows))) {
+      return launch_lean<T, KIND, RESIDUAL, MODULATE>(a, nvec, stream);
     }
   }
   // Vectors a thread caches: the kernel instantiation (see kOneVecThreads, kTwoVecThreads).

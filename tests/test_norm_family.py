@@ -231,6 +231,60 @@ def test_gated_residual_adaln(kernel, device, s, d, dtype, norm):
     assert_close(y, adaln_ref(h, scale, shift, 1e-6, norm), dtype, atol=1e-4)
 
 
+# 16-bit rows that CUDA runs in the lean kernel, each op at each of its layouts (inputs
+# [2, rows, D]): rows of at most 64 vectors at any batch, a vector a thread, several rows to
+# a block (100 x 128: two rows a warp; 8194 x 256: the last block short of rows; 602 x 512:
+# two warps a row; 504 wide: a lane without a vector), and decode rows (fewer than two per
+# SM), a block a row at one vector a thread (10 x 2568: the last warp partly without a
+# vector), two (4 x 6144) or four (6 x 12288). The sum may be written into the residual or
+# the input: LayerNorm's lanes all read the row's first element, which the sum overwrites.
+LEAN_SHAPES = [(1, 256), (50, 128), (4097, 256), (301, 512), (33, 504), (5, 2568), (2, 6144), (3, 12288)]
+
+
+@pytest.mark.parametrize("sum_into", ["new", "residual", "x"])
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "adaln_rms", "adaln_layer",
+                                "gated_residual_adaln_rms", "gated_residual_adaln_layer"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("shape", LEAN_SHAPES, ids=shape_id)
+def test_lean_rows(kernel, device, shape, dtype, op, sum_into):
+    residual_op = op.startswith(("fused", "gated"))
+    if sum_into != "new" and not residual_op:
+        pytest.skip("no residual sum")
+    rows, d = shape
+    x, res = make((2, rows, d), dtype, device, scale=2.0) + 0.5, make((2, rows, d), dtype, device)
+    if op in ("rms_norm", "fused_add_rms_norm"):
+        w = make((d,), dtype, device)
+        cast = rows % 2 == 1  # the Llama order on odd row counts
+        h_ref = (x.double() + res.double()).to(dtype) if residual_op else x
+        y_ref = rms_norm_ref(h_ref, w, 1e-6, cast_before_weight=cast)
+        if residual_op:
+            out, residual_out = ((x, res) if sum_into == "residual" else (res, x)) if sum_into != "new" else (None, None)
+            y, h = kernel.fused_add_rms_norm(x, res, w, 1e-6, cast_before_weight=cast, out=out,
+                                             residual_out=residual_out)
+            assert torch.equal(h, h_ref)
+        else:
+            y = kernel.rms_norm(x, w, 1e-6, cast_before_weight=cast)
+        assert_close(y, y_ref, dtype, roundings=2 if cast else 1)
+        return
+    norm = op.rsplit("_", 1)[1]
+    scale, shift = make((2, rows, d), dtype, device, scale=0.3), make((2, 1, d), dtype, device, scale=0.3)
+    if residual_op:
+        gate = make((2, d), dtype, device)
+        h_ref = gated_residual_ref(res, x, gate)
+        y_ref = adaln_ref(h_ref, scale, shift, 1e-6, norm)
+        if sum_into == "new":
+            h, y = kernel.gated_residual_adaln(res, x, gate, scale, shift, 1e-6, norm=norm)
+        else:
+            residual_out, out = (res, x) if sum_into == "residual" else (x, res)
+            h, y = kernel.gated_residual_adaln(res, x, gate, scale, shift, 1e-6, norm=norm,
+                                               residual_out=residual_out, out=out)
+            assert h is residual_out and y is out
+        assert torch.equal(h, h_ref)
+    else:
+        y, y_ref = kernel.adaln(x, scale, shift, 1e-6, norm=norm), adaln_ref(x, scale, shift, 1e-6, norm)
+    assert_close(y, y_ref, dtype, atol=1e-4)
+
+
 def test_layer_norm_centres_large_means(kernel, device):
     """mean / std = 300: E[x^2] - E[x]^2 in fp32 would lose the variance to cancellation
     (errors ~0.3); the two-pass variance keeps the result within 5e-3."""

@@ -1,16 +1,20 @@
-// Candidate launches of RMSNorm rows (plain, or after a residual add as fused_add_rms_norm;
-// no AdaLN; a weight of the input's dtype or none), and of rms_norm_fp8's rows (FP8 out, an
-// fp32 scale a row), beside the production one, built on norm_forward.cuh (the kernels and
+// Candidate launches of the norm family's rows (RMSNorm plain or after a residual add as
+// fused_add_rms_norm, a weight of the input's dtype or none; AdaLN after a gated residual or
+// not, in bf16), and of rms_norm_fp8's rows (FP8 out, an fp32 scale a row), beside the
+// production one, built on norm_forward.cuh (the kernels and
 // launch code norm_forward.cu runs), as a torch op library:
 //   torch.ops.norm_variants.run(x, weight, out, eps, cast_before_weight, cached, per_thread, block)
 //   torch.ops.norm_variants.run_residual(x, residual, weight, out, residual_out, eps,
 //                                        cast_before_weight, cached, per_thread, block)
 //   torch.ops.norm_variants.run_fp8(x, weight, eps, cast_before_weight, cached, per_thread,
 //                                   block) -> (q, scales)
-// cached = 0 is `launch` (what the package runs); -1, -2 or -4 (residual rows) is
-// rms_norm_residual_row_kernel at that many vectors a thread; -B (plain rows) is
-// rms_norm_row_kernel on blocks of B threads, a row each. Otherwise `norm_kernel` with `cached`
-// 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
+//   torch.ops.norm_variants.run_adaln(x, scale, shift, out, eps, norm, cached, per_thread, block)
+//   torch.ops.norm_variants.run_gated_adaln(residual, x, gate, scale, shift, residual_out, out,
+//                                           eps, norm, cached, per_thread, block)
+// cached = 0 is `launch` (what the package runs); kLean is norm_lean_kernel (16-bit rows) at
+// per_thread vectors a thread, rows sharing blocks of `block` threads (0: a block a row); -B
+// (plain rows) is rms_norm_row_kernel on blocks of B threads, a row each. Otherwise
+// `norm_kernel` with `cached` 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
 // covers it at `per_thread` vectors a thread (0: `cached`), and rows sharing blocks of
 // `block` threads (0: a block a row, or 128 threads for rows of a warp or less). The kernels'
 // register bounds are production's (bound_threads, bound_min_blocks): a variant tunes the
@@ -26,12 +30,13 @@ namespace norm_variants {
 
 using namespace norm_cuda;
 
-template <typename T, typename W, typename O, int CACHED, bool RESIDUAL>
+template <typename T, typename W, typename O, int CACHED, bool RESIDUAL, NormKind KIND = NormKind::kRms,
+          bool MODULATE = false>
 void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int block) {
   constexpr int V = kVec16<T>;
   using LO = std::conditional_t<kFp8Out<O>, float, O>;  // FP8 rows take the fp32 out's test, as launch does
   TORCH_CHECK((vectorizable<T, W, LO, V>(a)), "norm_variants: 16-byte aligned rows only");
-  constexpr int kMaxThreads = bound_threads(CACHED, RESIDUAL, false);  // the kernel's __launch_bounds__
+  constexpr int kMaxThreads = bound_threads(CACHED, RESIDUAL, MODULATE);  // the kernel's __launch_bounds__
   const int64_t nvec = a.cols / V;
   RowLaunch cfg = row_launch(nvec, per_thread > 0 ? per_thread : CACHED, kMaxThreads, block);
   // Rows of a warp or less share 128-thread blocks in production; a variant may ask for others.
@@ -41,21 +46,48 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int 
               " vectors a thread on at most ", kMaxThreads, " threads do not cover ", nvec, " vectors");
   TORCH_CHECK(cfg.block <= kMaxThreads, "norm_variants: blocks of at most ", kMaxThreads, " threads at ", CACHED,
               " vectors a thread");
-  launch_norm_rows(norm_kernel<T, W, O, V, CACHED, NormKind::kRms, RESIDUAL, false>, a, cfg, stream);
+  launch_norm_rows(norm_kernel<T, W, O, V, CACHED, KIND, RESIDUAL, MODULATE>, a, cfg, stream);
+}
+
+constexpr int kLean = 8;
+
+// norm_lean_kernel at `per` vectors a thread, rows sharing blocks of `block` threads (0: a
+// block a row).
+template <typename T, typename W, typename O, NormKind KIND, bool RESIDUAL, bool MODULATE>
+void launch_lean_variant(const NormArgs& a, cudaStream_t stream, int per, int block) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+    TORCH_CHECK((lean_rows<T, W, O, RESIDUAL, MODULATE>(a, vectorizable<T, W, O, kVec16<T>>(a))),
+                "norm_variants: rows the lean kernel does not take");
+    switch (per * 10 + (block == 0)) {
+      case 11: return launch_lean_rows<T, 1, true, KIND, RESIDUAL, MODULATE>(a, stream);
+      case 21: return launch_lean_rows<T, 2, true, KIND, RESIDUAL, MODULATE>(a, stream);
+      case 41: return launch_lean_rows<T, 4, true, KIND, RESIDUAL, MODULATE>(a, stream);
+      case 10: return launch_lean_rows<T, 1, false, KIND, RESIDUAL, MODULATE>(a, stream, block);
+      default: TORCH_CHECK(false, "norm_variants: lean rows a block each at 1, 2 or 4 vectors a thread, sharing "
+                                  "blocks at one");
+    }
+  }
+  TORCH_CHECK(false, "norm_variants: lean rows are 16-bit, their weight and output of the input's dtype");
+}
+
+// The AdaLN rows (no weight; after a gated residual or not): production or lean, or
+// norm_kernel's launches (any cached).
+template <typename T, NormKind KIND, bool RESIDUAL>
+void launch_modulated(const NormArgs& a, cudaStream_t stream, int cached, int per_thread, int block) {
+  switch (cached) {
+    case 0: return launch<T, T, T, KIND, RESIDUAL, true>(a, stream);
+    case kLean: return launch_lean_variant<T, T, T, KIND, RESIDUAL, true>(a, stream, per_thread, block);
+    case 1: return launch_variant<T, T, T, 1, RESIDUAL, KIND, true>(a, stream, per_thread, block);
+    case 2: return launch_variant<T, T, T, 2, RESIDUAL, KIND, true>(a, stream, per_thread, block);
+    case 4: return launch_variant<T, T, T, 4, RESIDUAL, KIND, true>(a, stream, per_thread, block);
+    default: TORCH_CHECK(false, "norm_variants: AdaLN rows at 0, 1, 2, 4 or kLean, not ", cached);
+  }
 }
 
 // W, O: the 16-bit rows' (the input's dtype) or rms_norm_fp8's (an fp32 weight, as the op
 // makes it, and the FP8 out).
 template <typename T, typename W, typename O, bool RESIDUAL>
 void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thread, int block) {
-  if constexpr (RESIDUAL && std::is_same_v<W, T> && std::is_same_v<O, T>) {
-    switch (cached) {
-      case -1: return launch_rms_norm_residual_rows<T, kVec16<T>, 1>(a, stream);
-      case -2: return launch_rms_norm_residual_rows<T, kVec16<T>, 2>(a, stream);
-      case -4: return launch_rms_norm_residual_rows<T, kVec16<T>, 4>(a, stream);
-      default: TORCH_CHECK(cached >= 0, "norm_variants: the residual row kernel at 1, 2 or 4 vectors a thread");
-    }
-  }
   if constexpr (!RESIDUAL && !kFp8Out<O>) {
     if (cached < 0) {  // rms_norm_row_kernel, a block of -cached threads a row, two vectors each
       const int block = -cached;
@@ -66,6 +98,7 @@ void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thre
       return launch_rms_norm_rows<T, W, O, kVec16<T>>(a, 2, block, stream);
     }
   }
+  if (cached == kLean) return launch_lean_variant<T, W, O, NormKind::kRms, RESIDUAL, false>(a, stream, per_thread, block);
   switch (cached) {
     case 0: return launch<T, W, O, NormKind::kRms, RESIDUAL, false>(a, stream);
     case 1: return launch_variant<T, W, O, 1, RESIDUAL>(a, stream, per_thread, block);
@@ -86,6 +119,17 @@ struct VariantBackend {
     TORCH_CHECK(!a.weight_fp32 && !a.out_fp32, "norm_variants: a weight and output of the input's dtype");
     const c10::cuda::CUDAGuard guard(a.device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
+    if (a.scale.ptr != nullptr) {  // AdaLN: bf16 rows only (the harness's build time)
+      TORCH_CHECK(a.dtype == at::kBFloat16 && a.normed, "norm_variants: AdaLN rows in bf16");
+      using T = c10::BFloat16;
+      const bool residual = a.residual != nullptr;
+      if (a.kind == NormKind::kLayer) {
+        return residual ? launch_modulated<T, NormKind::kLayer, true>(a, stream, cached, per_thread, block)
+                        : launch_modulated<T, NormKind::kLayer, false>(a, stream, cached, per_thread, block);
+      }
+      return residual ? launch_modulated<T, NormKind::kRms, true>(a, stream, cached, per_thread, block)
+                      : launch_modulated<T, NormKind::kRms, false>(a, stream, cached, per_thread, block);
+    }
     LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_variants", [&] {
       using T = scalar_t;
       if (a.residual != nullptr) return launch_any<T, T, T, true>(a, stream, cached, per_thread, block);
@@ -139,6 +183,19 @@ void run_residual(const at::Tensor& x, const at::Tensor& residual, const std::op
                                          cast_before_weight);
 }
 
+void run_adaln(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, at::Tensor out, double eps,
+               const std::string& norm, int64_t cached, int64_t per_thread, int64_t block) {
+  choose(cached, per_thread, block);
+  adaln_out<VariantBackend>(out, x, scale, shift, eps, norm);
+}
+
+void run_gated_adaln(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& scale,
+                     const at::Tensor& shift, at::Tensor residual_out, at::Tensor out, double eps,
+                     const std::string& norm, int64_t cached, int64_t per_thread, int64_t block) {
+  choose(cached, per_thread, block);
+  gated_residual_out<VariantBackend>(residual_out, out, residual, x, gate, scale, shift, eps, norm);
+}
+
 // The package's rms_norm_fp8 (weight_offset 0), with the launch the call asks for.
 std::tuple<at::Tensor, at::Tensor> run_fp8(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
                                            bool cast_before_weight, int64_t cached, int64_t per_thread,
@@ -156,11 +213,17 @@ TORCH_LIBRARY(norm_variants, m) {
         "int per_thread, int block) -> ()");
   m.def("run_residual(Tensor x, Tensor residual, Tensor? weight, Tensor(a!) out, Tensor(b!) residual_out, "
         "float eps, bool cast_before_weight, int cached, int per_thread, int block) -> ()");
+  m.def("run_adaln(Tensor x, Tensor scale, Tensor shift, Tensor(a!) out, float eps, str norm, int cached, "
+        "int per_thread, int block) -> ()");
+  m.def("run_gated_adaln(Tensor residual, Tensor x, Tensor gate, Tensor scale, Tensor shift, Tensor(a!) residual_out, "
+        "Tensor(b!) out, float eps, str norm, int cached, int per_thread, int block) -> ()");
   m.def("run_fp8(Tensor x, Tensor? weight, float eps, bool cast_before_weight, int cached, int per_thread, "
         "int block) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(norm_variants, CUDA, m) {
   m.impl("run", &ltx::norm_variants::run);
   m.impl("run_residual", &ltx::norm_variants::run_residual);
+  m.impl("run_adaln", &ltx::norm_variants::run_adaln);
+  m.impl("run_gated_adaln", &ltx::norm_variants::run_gated_adaln);
   m.impl("run_fp8", &ltx::norm_variants::run_fp8);
 }

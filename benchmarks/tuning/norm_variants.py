@@ -12,11 +12,19 @@ and each variant's max error against fp64 next to production's.
 A variant is CACHED/BLOCK or CACHED/PER_THREAD/BLOCK: 16-byte vectors a thread of
 `norm_kernel` holds (0: the package's launch), the vectors a thread the row's threads are
 counted for (default CACHED) and the threads of a block that rows share (0: a block a row).
-Residual rows also take rN: the residual row kernel at N vectors a thread (1, 2 or 4); plain
-rows pB: the plain row kernel (two vectors a thread) on a block of B threads a row. The .cu
+16-bit rows also take lP.B: the lean kernel (norm_lean_kernel) at P vectors a thread (1, 2
+or 4), rows sharing blocks of B threads (at one vector a thread, rows of a warp or less; 0: a
+block a row); plain rows pB: the plain row kernel (two vectors a thread) on a block of B
+threads a row. The .cu
 is built with nvcc against this python's torch into .build-cache/norm_variants (sm of the
 GPU only) and loaded as a torch op library. Tune a launch here, then port the winner into
 norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package build.
+
+`--shapes lean` times each op of the norm family (RMSNorm with a weight, fused add + RMSNorm,
+AdaLN RMS and LayerNorm, the gated residual's AdaLN; bf16) on decode rows and rows of 256-512
+elements, against compile (and Liger where it has the op): production (0/0), norm_kernel's
+launches and the lean kernel's, lP.B: P vectors a thread, rows sharing blocks of B threads
+(0: a block a row).
 
 `--shapes fp8` (compute capability 8.9 or newer) times rms_norm_fp8's rows (FP8 out, an fp32
 scale a row; its argument layout, the fp32 weight, is the package op's) at the model shapes,
@@ -57,6 +65,10 @@ SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float3
           "residual-gaps": [(rows, d, torch.bfloat16, True) for rows, d in
                             ((1, 256), (1, 2560), (1, 4096), (1, 8192), (1, 16384), (64, 4096), (256, 4096),
                              (256, 9728), (4096, 256), (4096, 2560), (8192, 4096), (8192, 8192))],
+          # the lean kernel's rows: decode steps, and rows of 256-512 elements at any batch
+          "lean": [(rows, d, torch.bfloat16, True) for rows, d in
+                   ((1, 256), (1, 2048), (1, 4096), (1, 16384), (256, 2048), (4096, 256), (4096, 512),
+                    (65536, 256), (16384, 512))],
           # rms_norm_fp8: LTX-Video's tokens (batch 2 at 49 frames; diffusers' norm has no
           # weight), its 2 x 2688 tokens, and LLM prefills
           "fp8": [(2 * 21504, 2048, torch.bfloat16, False), (2 * 21504, 2048, torch.bfloat16, True),
@@ -70,6 +82,10 @@ DEFAULT_VARIANTS = "0/0,2/0,2/512,2/1024,4/0,4/256,4/512,4/1024,1/0,1/256"
 # D = 4096 below 64 rows an SM in the two-vector row kernel (256 threads a row), above at four
 # (128). Against it, wider rows (two or one vectors a thread) and rows sharing blocks; rows
 # of 32 threads or fewer (4/8/...) share blocks of 128 whatever the block asked.
+# The lean kernel's layouts beside production and norm_kernel's two- and four-vector launches.
+LEAN_VARIANTS = "0/0,2/0,4/0,l1.0,l2.0,l4.0,l1.128"
+LEAN_OPS = ("rms_norm", "fused_add_rms_norm", "adaln_rms", "adaln_layer", "gated_residual_adaln_rms",
+            "gated_residual_adaln_layer")
 FP8_VARIANTS = "0/0,2/0,2/256,2/512,4/0,4/128,4/256,4/512,1/0,4/8/0"
 # A variant's FP8 rows against production's: an ulp of y flips a rounding now and then, a
 # different kernel order more often than that.
@@ -84,7 +100,9 @@ def reference(ltx, weighted):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", help=f"default {DEFAULT_VARIANTS}; with --shapes fp8 {FP8_VARIANTS}")
-    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "gaps", "residual-gaps", "fp8", "all"], default="fp32")
+    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "gaps", "residual-gaps", "lean", "fp8", "all"],
+                        default="fp32")
+    parser.add_argument("--ops", help=f"--shapes lean: comma-separated, of {','.join(LEAN_OPS)} (default all)")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
@@ -99,6 +117,9 @@ def main():
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
     if args.shapes == "fp8":
         return fp8_rows(ltx, (args.variants or FP8_VARIANTS).split(","), bandwidth, args.reps)
+    if args.shapes == "lean":
+        ops = args.ops.split(",") if args.ops else LEAN_OPS
+        return lean_rows(ltx, ops, (args.variants or LEAN_VARIANTS).split(","), bandwidth, args.reps)
     variants = (args.variants or DEFAULT_VARIANTS).split(",")
     residual_rows = args.shapes in ("residual", "residual-gaps")
     liger = bench_ops.load_libraries(on_cuda=True).attr("liger", "LigerFusedAddRMSNormFunction")
@@ -166,15 +187,111 @@ def main():
                                max_calls=MAX_CALLS)
 
 
+LEAN = 8  # norm_variants.cu's kLean
+
+
 def parse_variant(spec):
-    """CACHED/BLOCK or CACHED/PER_THREAD/BLOCK as (cached, per_thread, block); rN (residual
-    rows): the residual row kernel at N vectors a thread, and pB (plain rows): the row kernel
-    on B threads, both as (-N or -B, 0, 0)."""
-    if spec[0] in "rp":
+    """CACHED/BLOCK or CACHED/PER_THREAD/BLOCK as (cached, per_thread, block); pB (plain
+    rows): the row kernel on B threads, as (-B, 0, 0); lP.B: the lean kernel at P vectors a
+    thread, rows sharing blocks of B threads (0: a block a row), as (LEAN, P, B)."""
+    if spec[0] == "l":
+        per, block = spec[1:].split(".")
+        return LEAN, int(per), int(block)
+    if spec[0] == "p":
         return -int(spec[1:]), 0, 0
     cached, *launch = (int(v) for v in spec.split("/"))
     per_thread, block = launch if len(launch) == 2 else (0, launch[0])
     return cached, per_thread, block
+
+
+def lean_rows(ltx, ops, variants, bandwidth, reps):
+    """The --shapes lean rows: each op in bf16 at each launch in `variants`, against compile
+    of the PyTorch code (ltx.reference's; the Llama order for the weighted norms) and Liger's
+    RMSNorm and fused add + RMSNorm. A variant's output (each output) is compared with
+    production's: over 4x its max error against fp64 it is marked and not timed."""
+    ref, v = ltx.reference, torch.ops.norm_variants
+    libraries = bench_ops.load_libraries(on_cuda=True)
+    liger = {"rms_norm": libraries.attr("liger", "LigerRMSNormFunction"),
+             "fused_add_rms_norm": libraries.attr("liger", "LigerFusedAddRMSNormFunction")}
+
+    def fused_add(x, r, w):
+        h = x + r  # returned, as the op stores it: a compiled peer must write it too
+        return ref.llama_rms_norm(h, w), h
+
+    for op in ops:
+        norm = op.rsplit("_", 1)[1]
+        eager = {"rms_norm": ref.llama_rms_norm, "fused_add_rms_norm": fused_add}.get(op)
+        if eager is None:
+            eager = ref.gated_residual_adaln(norm) if op.startswith("gated") else ref.adaln(norm)
+
+        def variant(spec, op=op, norm=norm):
+            cached, per_thread, block = parse_variant(spec)
+            launch = (cached, per_thread, block)
+
+            def factory(t):
+                if op == "rms_norm":
+                    out = torch.empty_like(t[0])
+                    return lambda: (v.run(t[0], t[1], out, EPS, True, *launch), out)[1]
+                if op == "fused_add_rms_norm":
+                    out, h = torch.empty_like(t[0]), torch.empty_like(t[0])
+                    return lambda: (v.run_residual(t[0], t[1], t[2], out, h, EPS, True, *launch), (out, h))[1]
+                if op.startswith("adaln"):
+                    out = torch.empty_like(t[0])
+                    return lambda: (v.run_adaln(t[0], t[1], t[2], out, EPS, norm, *launch), out)[1]
+                h, out = torch.empty_like(t[0]), torch.empty_like(t[0])
+                return lambda: (v.run_gated_adaln(*t, h, out, EPS, norm, *launch), (h, out))[1]
+            return factory
+
+        for rows, d, dtype, _ in SHAPES["lean"]:
+            def inputs():
+                x = torch.randn(rows, d, device="cuda", dtype=dtype)
+                if op == "rms_norm":
+                    return x, 1 + 0.1 * torch.randn(d, device="cuda", dtype=dtype)
+                if op == "fused_add_rms_norm":
+                    return x, torch.randn_like(x), 1 + 0.1 * torch.randn(d, device="cuda", dtype=dtype)
+                mod = [0.3 * torch.randn(rows, d, device="cuda", dtype=dtype) for _ in range(2)]  # per token
+                if op.startswith("adaln"):
+                    return (x, *mod)
+                return (torch.randn_like(x), x, torch.randn(d, device="cuda", dtype=dtype), *mod)
+
+            first = inputs()
+            # every operand read once, the outputs written (the residual ops' sum too)
+            outputs = 2 if op.startswith(("fused", "gated")) else 1
+            nbytes = sum(t.numel() * t.element_size() for t in first) + outputs * first[0].numel() * 2
+            sets = [first] + [inputs() for _ in range(harness.copies_for_cold_l2(nbytes // 2, cap=SMALL_SETS) - 1)]
+            compiled = bench_ops.compiled(eager, "inductor")  # a graph per shape, checked compiled
+            impls = [("compile", lambda t: (lambda: compiled(*t)))]
+            impls += [(spec, variant(spec)) for spec in variants]
+            if liger.get(op) is not None:
+                fn = liger[op]
+                if op == "rms_norm":
+                    impls.append(("liger", lambda t: (lambda: fn.apply(t[0], t[1], EPS))))
+                else:  # last: it may write its sum into the residual
+                    impls.append(("liger", lambda t: (lambda: fn.apply(*t, EPS, 0.0, "llama"))))
+            expected = [e.double() for e in _as_tuple(eager(*[t.double() for t in first]))]
+            errors, skipped = {}, {}
+            for name, factory in impls:
+                if name == "liger":
+                    continue
+                try:
+                    got = _as_tuple(factory(first)())
+                    errors[name] = max((g.double() - e).abs().max().item() for g, e in zip(got, expected))
+                except RuntimeError as error:  # CompileFellBack too: a compile peer run eagerly
+                    skipped[name] = str(error).splitlines()[0][:100]
+            limit = 4 * errors["0/0"] + 1e-6 if "0/0" in errors else float("inf")
+            for name, err in errors.items():
+                if name != "compile" and err > limit:
+                    skipped[name] = f"WRONG RESULT (max error {err:.1e}, production's {errors['0/0']:.1e})"
+            print(f"\n{op} {rows}x{d} bf16, {nbytes / 1e6:.3f} MB, {len(sets)} sets")
+            notes = {name: f"  err {err:.1e}" for name, err in errors.items()}
+            harness.time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer="compile", notes=notes,
+                                   max_calls=MAX_CALLS)
+
+
+def _as_tuple(out):
+    """The gated ops' eager code returns (h, y), ours (h, y) and the fused add's (y, h): every
+    output, in the order each returns them (the same order per op)."""
+    return out if isinstance(out, tuple) else (out,)
 
 
 def fp8_reference(x, w):
