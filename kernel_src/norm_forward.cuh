@@ -780,8 +780,9 @@ bool lean_rows(const NormArgs& a, bool vector) {
     return false;
   } else {
     const int64_t reach = std::max({a.input_stride, a.out_stride, a.residual_stride, a.residual_out_stride, a.cols});
+    // + 128: a block's groups past the last row make their offsets too
     return vector && a.stats == nullptr && a.out != a.weight && (a.gate.ptr != nullptr) == (RESIDUAL && MODULATE) &&
-           a.rows * reach <= INT32_MAX;
+           (a.rows + 128) * reach <= INT32_MAX;
   }
 }
 
