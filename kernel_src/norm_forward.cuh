@@ -814,8 +814,8 @@ void launch_lean_rows(const NormArgs& a, cudaStream_t stream, int block = 0) {
 
 // The lean rows' production layout: a vector a thread, rows of a warp or less sharing
 // 128-thread blocks (as row_launch's), wider rows a block each; past 512 vectors (the
-// block's bound) two or four vectors a thread, which only rows after a residual add or with
-// AdaLN take (see launch).
+// block's bound) two or four vectors a thread, which plain RMSNorm's rows never reach (see
+// launch).
 template <typename T, NormKind KIND, bool RESIDUAL, bool MODULATE>
 void launch_lean(const NormArgs& a, int64_t nvec, cudaStream_t stream) {
   if (nvec <= 32) return launch_lean_rows<T, 1, false, KIND, RESIDUAL, MODULATE>(a, stream, 128);
@@ -1167,15 +1167,15 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
                    10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
-  // Lean rows (norm_lean_kernel, launch_lean's layout): rows of up to kLeanNarrowVecs vectors
-  // at any batch; fused_add_rms_norm's rows (a residual add without a gate) of up to 2048
-  // vectors at any batch; the AdaLN rows' (after a gated residual or not) of up to 2048 at
-  // fewer than two rows per SM (decode steps). Plain RMSNorm's wider rows keep
-  // rms_norm_row_kernel, so that its rows with and without a weight sum in one order.
-  if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T>) {
-    constexpr bool kAnyBatch = RESIDUAL && !MODULATE;
+  // Lean rows (norm_lean_kernel, launch_lean's layout): RMSNorm rows of up to
+  // kLeanNarrowVecs vectors at any batch, and fused_add_rms_norm's (a residual add without a
+  // gate) of up to 2048. Plain RMSNorm's wider rows keep rms_norm_row_kernel, so that its rows
+  // with and without a weight sum in one order. AdaLN's rows stay on norm_kernel: the lean
+  // kernel writes no statistics, and AdaLN's output must not change with the statistics
+  // autograd saves (its rows ran 0.2-2.6 us faster on it: docs/decisions.md).
+  if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T> && !MODULATE) {
     if (lean_rows<T, W, O, RESIDUAL, MODULATE>(a, vector) && nvec <= 4 * kLeanThreads &&
-        (nvec <= kLeanNarrowVecs || kAnyBatch || (MODULATE && !many_rows))) {
+        (nvec <= kLeanNarrowVecs || RESIDUAL)) {
       return launch_lean<T, KIND, RESIDUAL, MODULATE>(a, nvec, stream);
     }
   }

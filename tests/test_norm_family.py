@@ -231,14 +231,16 @@ def test_gated_residual_adaln(kernel, device, s, d, dtype, norm):
     assert_close(y, adaln_ref(h, scale, shift, 1e-6, norm), dtype, atol=1e-4)
 
 
-# 16-bit rows that CUDA runs in the lean kernel, each op at each of its layouts (inputs
-# [2, rows, D]): rows of at most 64 vectors at any batch, a vector a thread, several rows to
-# a block (100 x 128: two rows a warp; 8194 x 256: the last block short of rows; 602 x 512:
-# two warps a row; 504 wide: a lane without a vector), and decode rows (fewer than two per
-# SM), a block a row at one vector a thread (10 x 2568: the last warp partly without a
-# vector), two (4 x 6144) or four (6 x 12288). The sum may be written into the residual or
-# the input: LayerNorm's lanes all read the row's first element, which the sum overwrites.
-LEAN_SHAPES = [(1, 256), (50, 128), (4097, 256), (301, 512), (33, 504), (5, 2568), (2, 6144), (3, 12288)]
+# The lean kernel's layouts, every op of the norm family in 16 bits (CUDA runs RMSNorm's and
+# the fused add's rows there; inputs [2, rows, D]): rows of at most 64 vectors at any batch, a
+# vector a thread, several rows to a block (100 x 128: two rows a warp; 80 x 192: lanes
+# without a vector; 8194 x 256: the last block short of rows; 602 x 512: two warps a row),
+# and decode rows (fewer than two per SM), a block a row at one vector a thread (10 x 2568:
+# the last warp partly without a vector), two (4 x 6144; 6 x 4104: most threads without a
+# second vector) or four (6 x 12288). The sum may be written into the residual or the input:
+# LayerNorm's lanes all read the row's first element, which the sum overwrites.
+LEAN_SHAPES = [(1, 256), (50, 128), (40, 192), (4097, 256), (301, 512), (33, 504), (5, 2568), (2, 6144),
+               (3, 4104), (3, 12288)]
 
 
 LEAN_OPS = [(op, "new") for op in ("rms_norm", "adaln_rms", "adaln_layer")] + [
@@ -284,6 +286,28 @@ def test_lean_rows(kernel, device, shape, dtype, op, sum_into):
     else:
         y, y_ref = kernel.adaln(x, scale, shift, 1e-6, norm=norm), adaln_ref(x, scale, shift, 1e-6, norm)
     assert_close(y, y_ref, dtype, atol=1e-4)
+
+
+# AdaLN's output is the same bits whether its forward saves the row statistics (as autograd's
+# does) or not, on decode rows, rows of 128-512 and rows of one to four vectors a thread at
+# 512 threads: where a kernel without statistics could sum in another order.
+@pytest.mark.parametrize("op", ["adaln", "gated_residual_adaln"])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("shape", [(1, 256), (50, 128), (301, 512), (5, 2568), (2, 6144), (3, 12288)],
+                         ids=shape_id)
+def test_adaln_output_does_not_depend_on_saved_stats(kernel, device, shape, dtype, norm, op):
+    rows, d = shape
+    x = make((2, rows, d), dtype, device, scale=2.0) + 0.5
+    scale, shift = make((2, 1, d), dtype, device, scale=0.3), make((2, 1, d), dtype, device, scale=0.3)
+    if op == "adaln":
+        out, _ = kernel.ops.adaln_with_stats(x, scale, shift, 1e-6, norm)
+        assert torch.equal(out, kernel.ops.adaln(x, scale, shift, 1e-6, norm))
+    else:
+        res, gate = make((2, rows, d), dtype, device), make((2, 1, d), dtype, device)
+        h, out, _ = kernel.ops.gated_residual_adaln_with_stats(res, x, gate, scale, shift, 1e-6, norm)
+        without = kernel.ops.gated_residual_adaln(res, x, gate, scale, shift, 1e-6, norm)
+        assert torch.equal(h, without[0]) and torch.equal(out, without[1])
 
 
 def test_layer_norm_centres_large_means(kernel, device):
