@@ -1172,7 +1172,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   // gate) of up to 2048. Plain RMSNorm's wider rows keep rms_norm_row_kernel, so that its rows
   // with and without a weight sum in one order. AdaLN's rows stay on norm_kernel: the lean
   // kernel writes no statistics, and AdaLN's output must not change with the statistics
-  // autograd saves (its rows ran 0.2-2.6 us faster on it: docs/decisions.md).
+  // autograd saves (docs/decisions.md).
   if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T> && !MODULATE) {
     if (lean_rows<T, W, O, RESIDUAL, MODULATE>(a, vector) && nvec <= 4 * kLeanThreads &&
         (nvec <= kLeanNarrowVecs || RESIDUAL)) {
