@@ -641,6 +641,17 @@ __global__ void __launch_bounds__(kTwoVecThreads, kTwoVecMinBlocks)
   if (has1) write(f1, w1, i1);
 }
 
+// A row kernel (norm_kernel, norm_lean_kernel's shared blocks) over the rows, as `cfg` lays
+// them out in blocks.
+template <typename T, typename W, typename O>
+void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& a, const RowLaunch& cfg,
+                      cudaStream_t stream) {
+  const int rows_per_block = cfg.block / cfg.threads_per_row;
+  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  kernel<<<blocks, cfg.block, 0, stream>>>(make_params<T, W, O>(a), __builtin_ctz(cfg.threads_per_row));
+  check_launch();
+}
+
 // The norm family's lean rows: 16-bit rows out in their own dtype, without statistics, whose
 // options are all template flags (the op: KIND, RESIDUAL, MODULATE; WEIGHTED; the Llama
 // order's CAST) and whose offsets are 32-bit, where norm_kernel tests its options at run time
@@ -787,21 +798,25 @@ bool lean_rows(const NormArgs& a, bool vector) {
 }
 
 // norm_lean_kernel over the rows at PER vectors a thread: BLOCK_ROWS, a block a row of as few
-// whole warps as cover it; otherwise each row on the fewest threads (a power of two, at most
-// a warp) that cover it, rows sharing blocks of `block` threads.
+// whole warps as cover it; otherwise row_launch's lane groups of at most a warp, rows sharing
+// blocks of `block` threads.
 template <typename T, int PER, bool BLOCK_ROWS, NormKind KIND, bool RESIDUAL, bool MODULATE>
-void launch_lean_rows(const NormArgs& a, cudaStream_t stream, int block = 0) {
+void launch_lean_rows(const NormArgs& a, cudaStream_t stream, int block = 128) {
   constexpr int V = kVec16<T>;
-  const int wanted = static_cast<int>((a.cols / V + PER - 1) / PER);
-  int shift = 0;
-  while ((1 << shift) < wanted) ++shift;
-  const int threads = BLOCK_ROWS ? (wanted + 31) / 32 * 32 : std::max(block, 1 << shift);
-  const int64_t blocks = BLOCK_ROWS ? a.rows : (a.rows + (threads >> shift) - 1) / (threads >> shift);
-  TORCH_INTERNAL_ASSERT(threads <= kLeanThreads && (BLOCK_ROWS || shift <= 5), "norm lean rows: ", a.cols / V,
-                        " vectors at ", PER, " a thread");
+  const int64_t nvec = a.cols / V;
   const auto run = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(make_params<T, T, T>(a), shift);
-    check_launch();
+    if constexpr (BLOCK_ROWS) {
+      const int64_t threads = ((nvec + PER - 1) / PER + 31) / 32 * 32;
+      TORCH_INTERNAL_ASSERT(threads <= kLeanThreads, "norm lean rows: ", nvec, " vectors at ", PER, " a thread");
+      kernel<<<static_cast<unsigned>(a.rows), static_cast<unsigned>(threads), 0, stream>>>(make_params<T, T, T>(a), 0);
+      check_launch();
+    } else {
+      RowLaunch cfg = row_launch(nvec, PER, 32);
+      TORCH_INTERNAL_ASSERT(cfg.threads_per_row * PER >= nvec && block <= kLeanThreads, "norm lean rows: ", nvec,
+                            " vectors at ", PER, " a thread on a warp, blocks of ", block);
+      cfg.block = std::max(block, cfg.threads_per_row);
+      launch_norm_rows(kernel, a, cfg, stream);
+    }
   };
   if constexpr (!MODULATE) {
     if (a.weight != nullptr) {
@@ -818,7 +833,7 @@ void launch_lean_rows(const NormArgs& a, cudaStream_t stream, int block = 0) {
 // launch).
 template <typename T, NormKind KIND, bool RESIDUAL, bool MODULATE>
 void launch_lean(const NormArgs& a, int64_t nvec, cudaStream_t stream) {
-  if (nvec <= 32) return launch_lean_rows<T, 1, false, KIND, RESIDUAL, MODULATE>(a, stream, 128);
+  if (nvec <= 32) return launch_lean_rows<T, 1, false, KIND, RESIDUAL, MODULATE>(a, stream);
   if (nvec <= kLeanThreads) return launch_lean_rows<T, 1, true, KIND, RESIDUAL, MODULATE>(a, stream);
   if constexpr (RESIDUAL || MODULATE) {
     if (nvec <= 2 * kLeanThreads) return launch_lean_rows<T, 2, true, KIND, RESIDUAL, MODULATE>(a, stream);
@@ -1087,16 +1102,6 @@ void launch_rms_norm_rows_fp8(const NormArgs& a, int cached, int block, cudaStre
     if (a.cast_before_weight) return run(rms_norm_row_fp8_kernel<T, W, VEC, true, false>);
   }
   run(rms_norm_row_fp8_kernel<T, W, VEC, false, false>);
-}
-
-// An instantiation of norm_kernel over the rows, as `cfg` lays them out in blocks.
-template <typename T, typename W, typename O>
-void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& a, const RowLaunch& cfg,
-                      cudaStream_t stream) {
-  const int rows_per_block = cfg.block / cfg.threads_per_row;
-  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
-  kernel<<<blocks, cfg.block, 0, stream>>>(make_params<T, W, O>(a), __builtin_ctz(cfg.threads_per_row));
-  check_launch();
 }
 
 // norm_fp8_warp_row_kernel over the rows, a warp each.

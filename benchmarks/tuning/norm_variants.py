@@ -138,9 +138,7 @@ def main():
             return lambda: (run(x, w, out, 1e-6, w is not None, cached, per_thread, block), out)[1]
         return factory
 
-    def fused_add(x, r, w):
-        h = x + r  # returned, as the op stores it: a compiled peer must write it too
-        return reference(ltx, True)(h, w), h
+    fused_add = fused_add_eager(ltx)
 
     def compiled(weighted):
         fn = bench_ops.compiled(fused_add if residual_rows else reference(ltx, weighted), "inductor")
@@ -160,7 +158,7 @@ def main():
         copies = harness.copies_for_cold_l2(nbytes // 2, cap=SMALL_SETS)
         sets = [first] + [inputs() for _ in range(copies - 1)]
         if residual_rows:
-            expected = fused_add(*[t.double() for t in first])[0]
+            expected = fused_add(*[t.double() for t in first])[:1]  # y: a variant's h is the same sum
         else:
             expected = reference(ltx, weighted)(*[t.double() for t in first if t is not None])
         impls = [("compile", compiled(weighted))]
@@ -169,20 +167,7 @@ def main():
             impls.append(("liger", lambda inputs: (lambda: liger.apply(*inputs, 1e-6, 0.0, "llama"))))
         print(f"\n{rows}x{d} {str(dtype)[6:]}{'' if weighted else ' no weight'}"
               f"{' after a residual add' if residual_rows else ''}, {nbytes / 1e6:.3f} MB, {len(sets)} sets")
-        errors, skipped = {}, {}
-        for name, factory in impls:
-            try:
-                got = factory(first)()
-                got = got[0] if isinstance(got, tuple) else got  # (y, h) of the residual rows' peers
-                errors[name] = (got.double() - expected).abs().max().item()
-            except RuntimeError as error:  # CompileFellBack too: a compile peer run eagerly
-                skipped[name] = str(error).splitlines()[0]
-        # A variant that computes something else (over 4x production's error) is not timed.
-        limit = 4 * errors["0/0"] + 1e-6 if "0/0" in errors else float("inf")
-        for name, err in errors.items():
-            if name != "compile" and err > limit:
-                skipped[name] = f"WRONG RESULT (max error {err:.1e}, production's {errors['0/0']:.1e})"
-        notes = {name: f"  err {err:.1e}" for name, err in errors.items()}
+        notes, skipped = check_outputs(impls, first, expected)
         harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="compile", notes=notes,
                                max_calls=MAX_CALLS)
 
@@ -214,13 +199,9 @@ def lean_rows(ltx, ops, variants, bandwidth, reps):
     liger = {"rms_norm": libraries.attr("liger", "LigerRMSNormFunction"),
              "fused_add_rms_norm": libraries.attr("liger", "LigerFusedAddRMSNormFunction")}
 
-    def fused_add(x, r, w):
-        h = x + r  # returned, as the op stores it: a compiled peer must write it too
-        return ref.llama_rms_norm(h, w), h
-
     for op in ops:
         norm = op.rsplit("_", 1)[1]
-        eager = {"rms_norm": ref.llama_rms_norm, "fused_add_rms_norm": fused_add}.get(op)
+        eager = {"rms_norm": ref.llama_rms_norm, "fused_add_rms_norm": fused_add_eager(ltx)}.get(op)
         if eager is None:
             eager = ref.gated_residual_adaln(norm) if op.startswith("gated") else ref.adaln(norm)
 
@@ -268,30 +249,42 @@ def lean_rows(ltx, ops, variants, bandwidth, reps):
                     impls.append(("liger", lambda t: (lambda: fn.apply(t[0], t[1], EPS))))
                 else:  # last: it may write its sum into the residual
                     impls.append(("liger", lambda t: (lambda: fn.apply(*t, EPS, 0.0, "llama"))))
-            expected = [e.double() for e in _as_tuple(eager(*[t.double() for t in first]))]
-            errors, skipped = {}, {}
-            for name, factory in impls:
-                if name == "liger":
-                    continue
-                try:
-                    got = _as_tuple(factory(first)())
-                    errors[name] = max((g.double() - e).abs().max().item() for g, e in zip(got, expected))
-                except RuntimeError as error:  # CompileFellBack too: a compile peer run eagerly
-                    skipped[name] = str(error).splitlines()[0][:100]
-            limit = 4 * errors["0/0"] + 1e-6 if "0/0" in errors else float("inf")
-            for name, err in errors.items():
-                if name != "compile" and err > limit:
-                    skipped[name] = f"WRONG RESULT (max error {err:.1e}, production's {errors['0/0']:.1e})"
+            expected = eager(*[t.double() for t in first])
+            # Liger's fused add may write its sum into the residual: not run ahead of the timing
+            notes, skipped = check_outputs([i for i in impls if i[0] != "liger"], first, expected)
             print(f"\n{op} {rows}x{d} bf16, {nbytes / 1e6:.3f} MB, {len(sets)} sets")
-            notes = {name: f"  err {err:.1e}" for name, err in errors.items()}
             harness.time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer="compile", notes=notes,
                                    max_calls=MAX_CALLS)
 
 
-def _as_tuple(out):
-    """The gated ops' eager code returns (h, y), ours (h, y) and the fused add's (y, h): every
-    output, in the order each returns them (the same order per op)."""
-    return out if isinstance(out, tuple) else (out,)
+def fused_add_eager(ltx):
+    """The residual add and Llama's norm, as bench_ops times them: (y, h)."""
+    def run(x, r, w):
+        h = x + r  # returned, as the op stores it: a compiled peer must write it too
+        return ltx.reference.llama_rms_norm(h, w), h
+    return run
+
+
+def check_outputs(impls, first, expected):
+    """Runs each (name, factory) of `impls` on the inputs `first` and compares its outputs with
+    `expected` (fp64; a tuple compares the outputs in order, as many as it has). Returns the
+    notes (each one's max error) and the skipped (name -> why): those that raised
+    (CompileFellBack too: a compile peer run eagerly) and, a variant that computes something
+    else, those over 4x production's (0/0) error."""
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    errors, skipped = {}, {}
+    for name, factory in impls:
+        try:
+            got = factory(first)()
+            got = got if isinstance(got, tuple) else (got,)
+            errors[name] = max((g.double() - e).abs().max().item() for g, e in zip(got, expected))
+        except RuntimeError as error:
+            skipped[name] = str(error).splitlines()[0][:100]
+    limit = 4 * errors["0/0"] + 1e-6 if "0/0" in errors else float("inf")
+    for name, err in errors.items():
+        if name != "compile" and err > limit:
+            skipped[name] = f"WRONG RESULT (max error {err:.1e}, production's {errors['0/0']:.1e})"
+    return {name: f"  err {err:.1e}" for name, err in errors.items()}, skipped
 
 
 def fp8_reference(x, w):
