@@ -652,10 +652,10 @@ void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& 
   check_launch();
 }
 
-// The norm family's lean rows: 16-bit rows out in their own dtype, without statistics, whose
-// options are all template flags (the op: KIND, RESIDUAL, MODULATE; WEIGHTED; the Llama
-// order's CAST) and whose offsets are 32-bit, where norm_kernel tests its options at run time
-// and offsets in 64 bits: latency-bound rows (decode steps, rows of up to 512 elements) spend
+// The norm family's lean rows: 16-bit rows out in their own dtype (and the row statistics
+// where asked for, as norm_kernel's), whose options are all template flags (the op: KIND,
+// RESIDUAL, MODULATE; WEIGHTED; the Llama order's CAST) and whose offsets are 32-bit, where
+// norm_kernel tests its options at run time and offsets in 64 bits: latency-bound rows (decode steps, rows of up to 512 elements) spend
 // their time in those instructions (docs/decisions.md). PER vectors a thread; a row takes a
 // block (BLOCK_ROWS: as many whole warps as cover it) or a group of 2^row_shift threads (a
 // warp or less) in blocks of several rows. Every load of a row precedes the reduction and
@@ -743,7 +743,11 @@ __global__ void __launch_bounds__(kLeanThreads)
   acc = reduce(acc, scratch[0]);
   float mean = 0.f;
   if constexpr (kLayer) {
-    if constexpr (RESIDUAL) store_sums();
+    if constexpr (RESIDUAL) {
+      // Every lane's read of the row's first element precedes the store of its vector.
+      if constexpr (!BLOCK_ROWS) __syncwarp();
+      store_sums();
+    }
     mean = first + acc * p.inv_cols;
     acc = 0.f;
 #pragma unroll
@@ -753,6 +757,7 @@ __global__ void __launch_bounds__(kLeanThreads)
     acc = reduce(acc, scratch[1]);
   }
   const float rstd = rsqrtf(acc * p.inv_cols + p.eps);
+  if (p.stats != nullptr && active && t == 0) p.stats[row] = make_float2(mean, rstd);
   T* y = p.out + row * static_cast<int>(p.out_stride);
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
@@ -782,7 +787,7 @@ __global__ void __launch_bounds__(kLeanThreads)
 }
 
 // Whether norm_lean_kernel can take the rows: 16-bit, of 16-byte vectors, an output of their
-// dtype, no statistics, offsets within 32 bits; a weight of their dtype that the norm does not
+// dtype, offsets within 32 bits; a weight of their dtype that the norm does not
 // overwrite (a one-row call may name it as out: the kernel orders the loads and stores of a
 // thread, not of the row's threads); a gate exactly where the op has one.
 template <typename T, typename W, typename O, bool RESIDUAL, bool MODULATE>
@@ -792,7 +797,7 @@ bool lean_rows(const NormArgs& a, bool vector) {
   } else {
     const int64_t reach = std::max({a.input_stride, a.out_stride, a.residual_stride, a.residual_out_stride, a.cols});
     // + 128: a block's groups past the last row make their offsets too
-    return vector && a.stats == nullptr && a.out != a.weight && (a.gate.ptr != nullptr) == (RESIDUAL && MODULATE) &&
+    return vector && a.out != a.weight && (a.gate.ptr != nullptr) == (RESIDUAL && MODULATE) &&
            (a.rows + 128) * reach <= INT32_MAX;
   }
 }
@@ -1172,15 +1177,17 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   const int arch = 100 * device_attribute<cudaDevAttrComputeCapabilityMajor>(a.device.index()) +
                    10 * device_attribute<cudaDevAttrComputeCapabilityMinor>(a.device.index());
   const bool preloads_modulation = MODULATE && modulated_preload<T>(arch, KIND);
-  // Lean rows (norm_lean_kernel, launch_lean's layout): RMSNorm rows of up to
-  // kLeanNarrowVecs vectors at any batch, and fused_add_rms_norm's (a residual add without a
-  // gate) of up to 2048. Plain RMSNorm's wider rows keep rms_norm_row_kernel, so that its rows
-  // with and without a weight sum in one order. AdaLN's rows stay on norm_kernel: the lean
-  // kernel writes no statistics, and AdaLN's output must not change with the statistics
-  // autograd saves (docs/decisions.md).
-  if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T> && !MODULATE) {
+  // Lean rows (norm_lean_kernel, launch_lean's layout): rows of up to kLeanNarrowVecs
+  // vectors at any batch; fused_add_rms_norm's rows (a residual add without a gate) of up to
+  // 2048 vectors at any batch; the AdaLN rows' (after a gated residual or not) of up to 2048
+  // at fewer than two rows per SM (decode steps). Plain RMSNorm's wider rows keep
+  // rms_norm_row_kernel, so that its rows with and without a weight sum in one order; the
+  // lean kernel writes AdaLN's statistics, so that its output does not change with whether
+  // autograd saves them.
+  if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+    constexpr bool kAnyBatch = RESIDUAL && !MODULATE;
     if (lean_rows<T, W, O, RESIDUAL, MODULATE>(a, vector) && nvec <= 4 * kLeanThreads &&
-        (nvec <= kLeanNarrowVecs || RESIDUAL)) {
+        (nvec <= kLeanNarrowVecs || kAnyBatch || (MODULATE && !many_rows))) {
       return launch_lean<T, KIND, RESIDUAL, MODULATE>(a, nvec, stream);
     }
   }

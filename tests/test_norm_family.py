@@ -231,9 +231,8 @@ def test_gated_residual_adaln(kernel, device, s, d, dtype, norm):
     assert_close(y, adaln_ref(h, scale, shift, 1e-6, norm), dtype, atol=1e-4)
 
 
-# The lean kernel's layouts, every op of the norm family in 16 bits (CUDA runs RMSNorm's and
-# the fused add's rows there; inputs [2, rows, D]): rows of at most 64 vectors at any batch, a
-# vector a thread, several rows to a block (100 x 128: two rows a warp; 80 x 192: lanes
+# The lean kernel's layouts, every op of the norm family in 16 bits (inputs [2, rows, D]):
+# rows of at most 64 vectors at any batch, a vector a thread, several rows to a block (100 x 128: two rows a warp; 80 x 192: lanes
 # without a vector; 8194 x 256: the last block short of rows; 602 x 512: two warps a row),
 # and decode rows (fewer than two per SM), a block a row at one vector a thread (10 x 2568:
 # the last warp partly without a vector), two (4 x 6144; 6 x 4104: most threads without a
@@ -289,8 +288,9 @@ def test_lean_rows(kernel, device, shape, dtype, op, sum_into):
 
 
 # AdaLN's output is the same bits whether its forward saves the row statistics (as autograd's
-# does) or not, on decode rows, rows of 128-512 and rows of one to four vectors a thread at
-# 512 threads: where a kernel without statistics could sum in another order.
+# does) or not, and the statistics match fp64's, on decode rows, rows of 128-512 and rows of
+# one to four vectors a thread at 512 threads: where a kernel without statistics could sum in
+# another order.
 @pytest.mark.parametrize("op", ["adaln", "gated_residual_adaln"])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
@@ -301,13 +301,18 @@ def test_adaln_output_does_not_depend_on_saved_stats(kernel, device, shape, dtyp
     x = make((2, rows, d), dtype, device, scale=2.0) + 0.5
     scale, shift = make((2, 1, d), dtype, device, scale=0.3), make((2, 1, d), dtype, device, scale=0.3)
     if op == "adaln":
-        out, _ = kernel.ops.adaln_with_stats(x, scale, shift, 1e-6, norm)
+        out, stats = kernel.ops.adaln_with_stats(x, scale, shift, 1e-6, norm)
         assert torch.equal(out, kernel.ops.adaln(x, scale, shift, 1e-6, norm))
+        normed = x
     else:
         res, gate = make((2, rows, d), dtype, device), make((2, 1, d), dtype, device)
-        h, out, _ = kernel.ops.gated_residual_adaln_with_stats(res, x, gate, scale, shift, 1e-6, norm)
+        normed, out, stats = kernel.ops.gated_residual_adaln_with_stats(res, x, gate, scale, shift, 1e-6, norm)
         without = kernel.ops.gated_residual_adaln(res, x, gate, scale, shift, 1e-6, norm)
-        assert torch.equal(h, without[0]) and torch.equal(out, without[1])
+        assert torch.equal(normed, without[0]) and torch.equal(out, without[1])
+    n64 = normed.double()
+    mean = n64.mean(-1) if norm == "layer" else torch.zeros_like(n64[..., 0])
+    rstd = (n64 - mean[..., None]).square().mean(-1).add(1e-6).rsqrt()
+    torch.testing.assert_close(stats.double(), torch.stack([mean, rstd], -1), rtol=1e-5, atol=1e-5)
 
 
 def test_layer_norm_centres_large_means(kernel, device):

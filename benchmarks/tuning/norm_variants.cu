@@ -12,7 +12,9 @@
 //   torch.ops.norm_variants.run_gated_adaln(residual, x, gate, scale, shift, residual_out, out,
 //                                           eps, norm, cached, per_thread, block)
 // cached = 0 is `launch` (what the package runs); kLean is norm_lean_kernel (16-bit rows) at
-// per_thread vectors a thread, rows sharing blocks of `block` threads (0: a block a row); -B
+// per_thread vectors a thread, rows sharing blocks of `block` threads (0: a block a row);
+// kMultiRow (weighted RMSNorm rows of a warp or less, 16-bit) is multi_row_kernel at
+// per_thread rows a lane group in blocks of `block` threads; -B
 // (plain rows) is rms_norm_row_kernel on blocks of B threads, a row each. Otherwise
 // `norm_kernel` with `cached` 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
 // covers it at `per_thread` vectors a thread (0: `cached`), and rows sharing blocks of
@@ -70,6 +72,84 @@ void launch_lean_variant(const NormArgs& a, cudaStream_t stream, int per, int bl
   TORCH_CHECK(false, "norm_variants: lean rows are 16-bit, their weight and output of the input's dtype");
 }
 
+constexpr int kMultiRow = 9;
+
+// RMSNorm rows of a warp or less with a weight (plain or after a residual add, in the
+// Llama order), ROWS consecutive rows a lane group in blocks of `blockDim.x` threads: the
+// loads of ROWS rows in flight in a thread, the weight loaded once for them, their
+// reductions interleaved (inductor's layout for rows of 256: four rows a one-warp program).
+template <typename T, int VEC, int ROWS, bool RESIDUAL>
+__global__ void __launch_bounds__(kLeanThreads) multi_row_kernel(const NormParams<T, T, T> p, int row_shift) {
+  const int threads = 1 << row_shift;
+  const int t = threadIdx.x & (threads - 1);
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> row_shift) * ROWS;
+  const bool has = t < p.cols / VEC;
+  const auto ok = [&](int r) { return has && row0 + r < static_cast<int>(p.rows); };
+  Vec<T, VEC> w{}, v[ROWS], rv[RESIDUAL ? ROWS : 1];
+  if (has) w = load_vec_read_only<T, VEC>(p.weight, t);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (!ok(r)) continue;
+    v[r] = load_vec<T, VEC>(p.input + (row0 + r) * static_cast<int>(p.input_stride), t);
+    if constexpr (RESIDUAL) rv[r] = load_vec<T, VEC>(p.residual + (row0 + r) * static_cast<int>(p.residual_stride), t);
+  }
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if constexpr (RESIDUAL) {
+      if (ok(r)) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[r].v[j] = from_float<T>(to_float(rv[r].v[j]) + to_float(v[r].v[j]));
+        store_vec<T, VEC>(p.residual_out + (row0 + r) * static_cast<int>(p.residual_out_stride), t, v[r]);
+      }
+    }
+    acc[r] = ok(r) ? vec_sum(v[r], 0.f, true) : 0.f;
+  }
+  for (int offset = threads / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], offset);
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (!ok(r)) continue;
+    const float rstd = rsqrtf(acc[r] * p.inv_cols + p.eps);
+    float f[VEC];
+    to_floats(v[r], f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] *= rstd;
+    store_vec<T, VEC>(p.out + (row0 + r) * static_cast<int>(p.out_stride), t, mul_rounded(from_floats<T>(f), w));
+  }
+}
+
+// multi_row_kernel at `rows` rows a lane group in blocks of `block` threads.
+template <typename T, typename W, typename O, bool RESIDUAL>
+void launch_multi_row(const NormArgs& a, cudaStream_t stream, int rows, int block) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<W, T> && std::is_same_v<O, T>) {
+    constexpr int V = kVec16<T>;
+    const int64_t nvec = a.cols / V;
+    TORCH_CHECK((lean_rows<T, W, O, RESIDUAL, false>(a, vectorizable<T, W, O, V>(a))) && nvec <= 32 &&
+                    a.weight != nullptr && a.cast_before_weight && a.weight_offset == 0.f && block % 32 == 0 &&
+                    block <= kLeanThreads,
+                "norm_variants: multi-row lane groups take weighted Llama-order rows of a warp or less, "
+                "blocks of whole warps");
+    const int shift = 32 - __builtin_clz(static_cast<unsigned>(std::max<int64_t>(nvec, 2) - 1));
+    const int64_t rows_per_block = (block >> shift) * rows;
+    const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+    const auto run = [&](auto kernel) {
+      kernel<<<blocks, block, 0, stream>>>(make_params<T, T, T>(a), shift);
+      check_launch();
+    };
+    switch (rows) {
+      case 1: return run(multi_row_kernel<T, V, 1, RESIDUAL>);
+      case 2: return run(multi_row_kernel<T, V, 2, RESIDUAL>);
+      case 4: return run(multi_row_kernel<T, V, 4, RESIDUAL>);
+      case 8: return run(multi_row_kernel<T, V, 8, RESIDUAL>);
+      default: TORCH_CHECK(false, "norm_variants: 1, 2, 4 or 8 rows a lane group");
+    }
+  }
+  TORCH_CHECK(false, "norm_variants: multi-row lane groups are 16-bit, their weight and output of the input's dtype");
+}
+
 // The AdaLN rows (no weight; after a gated residual or not): production or lean, or
 // norm_kernel's launches (any cached).
 template <typename T, NormKind KIND, bool RESIDUAL>
@@ -99,6 +179,7 @@ void launch_any(const NormArgs& a, cudaStream_t stream, int cached, int per_thre
     }
   }
   if (cached == kLean) return launch_lean_variant<T, W, O, NormKind::kRms, RESIDUAL, false>(a, stream, per_thread, block);
+  if (cached == kMultiRow) return launch_multi_row<T, W, O, RESIDUAL>(a, stream, per_thread, block);
   switch (cached) {
     case 0: return launch<T, W, O, NormKind::kRms, RESIDUAL, false>(a, stream);
     case 1: return launch_variant<T, W, O, 1, RESIDUAL>(a, stream, per_thread, block);

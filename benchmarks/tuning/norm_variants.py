@@ -15,14 +15,15 @@ counted for (default CACHED) and the threads of a block that rows share (0: a bl
 16-bit rows also take lP.B: the lean kernel (norm_lean_kernel) at P vectors a thread (1, 2
 or 4), rows sharing blocks of B threads (at one vector a thread, rows of a warp or less; 0: a
 block a row); plain rows pB: the plain row kernel (two vectors a thread) on a block of B
-threads a row. The .cu
+threads a row; weighted RMSNorm rows of a warp or less mR.B: R rows a lane group (their
+loads in flight together, the weight loaded once), blocks of B threads. The .cu
 is built with nvcc against this python's torch into .build-cache/norm_variants (sm of the
 GPU only) and loaded as a torch op library. Tune a launch here, then port the winner into
 norm_forward.cuh's `launch` and confirm it with bench_ops.py on the package build.
 
 `--shapes lean` times each op of the norm family (RMSNorm with a weight, fused add + RMSNorm,
 AdaLN RMS and LayerNorm, the gated residual's AdaLN; bf16) on decode rows and rows of 256-512
-elements, against compile (and Liger where it has the op): production (0/0), norm_kernel's
+elements (`--shapes narrow`: rows of 128 and 256 elements, 1024 to 65536 of them), against compile (and Liger where it has the op): production (0/0), norm_kernel's
 launches and the lean kernel's, lP.B: P vectors a thread, rows sharing blocks of B threads
 (0: a block a row).
 
@@ -69,6 +70,8 @@ SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float3
           "lean": [(rows, d, torch.bfloat16, True) for rows, d in
                    ((1, 256), (1, 2048), (1, 4096), (1, 16384), (256, 2048), (4096, 256), (4096, 512),
                     (65536, 256), (16384, 512))],
+          # rows of 128 and 256 elements at batches from 1024 to 65536 (the lean set's ops)
+          "narrow": [(rows, d, torch.bfloat16, True) for d in (128, 256) for rows in (1024, 4096, 16384, 65536)],
           # rms_norm_fp8: LTX-Video's tokens (batch 2 at 49 frames; diffusers' norm has no
           # weight), its 2 x 2688 tokens, and LLM prefills
           "fp8": [(2 * 21504, 2048, torch.bfloat16, False), (2 * 21504, 2048, torch.bfloat16, True),
@@ -100,7 +103,7 @@ def reference(ltx, weighted):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", help=f"default {DEFAULT_VARIANTS}; with --shapes fp8 {FP8_VARIANTS}")
-    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "gaps", "residual-gaps", "lean", "fp8", "all"],
+    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "gaps", "residual-gaps", "lean", "narrow", "fp8", "all"],
                         default="fp32")
     parser.add_argument("--ops", help=f"--shapes lean: comma-separated, of {','.join(LEAN_OPS)} (default all)")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
@@ -117,9 +120,10 @@ def main():
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
     if args.shapes == "fp8":
         return fp8_rows(ltx, (args.variants or FP8_VARIANTS).split(","), bandwidth, args.reps)
-    if args.shapes == "lean":
+    if args.shapes in ("lean", "narrow"):
         ops = args.ops.split(",") if args.ops else LEAN_OPS
-        return lean_rows(ltx, ops, (args.variants or LEAN_VARIANTS).split(","), bandwidth, args.reps)
+        return lean_rows(ltx, ops, SHAPES[args.shapes], (args.variants or LEAN_VARIANTS).split(","), bandwidth,
+                         args.reps)
     variants = (args.variants or DEFAULT_VARIANTS).split(",")
     residual_rows = args.shapes in ("residual", "residual-gaps")
     liger = bench_ops.load_libraries(on_cuda=True).attr("liger", "LigerFusedAddRMSNormFunction")
@@ -172,16 +176,18 @@ def main():
                                max_calls=MAX_CALLS)
 
 
-LEAN = 8  # norm_variants.cu's kLean
+LEAN, MULTI_ROW = 8, 9  # norm_variants.cu's kLean, kMultiRow
 
 
 def parse_variant(spec):
     """CACHED/BLOCK or CACHED/PER_THREAD/BLOCK as (cached, per_thread, block); pB (plain
     rows): the row kernel on B threads, as (-B, 0, 0); lP.B: the lean kernel at P vectors a
-    thread, rows sharing blocks of B threads (0: a block a row), as (LEAN, P, B)."""
-    if spec[0] == "l":
+    thread, rows sharing blocks of B threads (0: a block a row), as (LEAN, P, B); mR.B: R rows
+    a lane group in blocks of B threads (weighted RMSNorm rows of a warp or less), as
+    (MULTI_ROW, R, B)."""
+    if spec[0] in "lm":
         per, block = spec[1:].split(".")
-        return LEAN, int(per), int(block)
+        return LEAN if spec[0] == "l" else MULTI_ROW, int(per), int(block)
     if spec[0] == "p":
         return -int(spec[1:]), 0, 0
     cached, *launch = (int(v) for v in spec.split("/"))
@@ -189,8 +195,8 @@ def parse_variant(spec):
     return cached, per_thread, block
 
 
-def lean_rows(ltx, ops, variants, bandwidth, reps):
-    """The --shapes lean rows: each op in bf16 at each launch in `variants`, against compile
+def lean_rows(ltx, ops, shapes, variants, bandwidth, reps):
+    """The --shapes lean (or narrow) rows, `shapes`: each op in bf16 at each launch in `variants`, against compile
     of the PyTorch code (ltx.reference's; the Llama order for the weighted norms) and Liger's
     RMSNorm and fused add + RMSNorm. A variant's output (each output) is compared with
     production's: over 4x its max error against fp64 it is marked and not timed."""
@@ -223,7 +229,7 @@ def lean_rows(ltx, ops, variants, bandwidth, reps):
                 return lambda: (v.run_gated_adaln(*t, h, out, EPS, norm, *launch), (h, out))[1]
             return factory
 
-        for rows, d, dtype, _ in SHAPES["lean"]:
+        for rows, d, dtype, _ in shapes:
             def inputs():
                 x = torch.randn(rows, d, device="cuda", dtype=dtype)
                 if op == "rms_norm":
