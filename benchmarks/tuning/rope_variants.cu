@@ -2,7 +2,8 @@
 // rope_rotate.cuh (the kernel, helpers and launch rope.cu runs), as a torch op library:
 //   torch.ops.rope_variants.run(q, k, cos, sin, q_out, k_out, variant, head_blocks)
 // q and k are [B, H, S, D] (views), cos and sin [S, D] or [B, S, D] in q's dtype; forward
-// only. Variant 0 is `launch` (what the package runs); the others run `variant_kernel`, a
+// only. Variant 0 is `launch` (what the package runs); 9 its kernel at a given head_blocks;
+// the others run `variant_kernel`, a
 // lean whole-groups kernel: aligned 8- or 16-byte units, head counts that are multiples of
 // HEADS, every channel rotating, no pass-through. rope_variants.py builds and times them.
 #include "rope_rotate.cuh"
@@ -97,6 +98,10 @@ void run_variant(const RopeArgs& a, cudaStream_t stream, int64_t variant, int he
     case 6: return launch_variant<T, H, 1, false, 512, 2>(a, stream, head_blocks);
     case 7: return launch_variant<T, F, 1, false, 512, 2>(a, stream, head_blocks);
     case 8: return launch_variant<T, F, 2, false, 256, 3>(a, stream, head_blocks);
+    case 9:  // production's kernel and units, a token's heads over head_blocks blocks
+      TORCH_CHECK((vectorizable<T, T, H>(a)), "rope_variants: 8-byte aligned rows only");
+      if (a.q.heads % 2 == 0 && a.k.heads % 2 == 0) return launch_with<T, T, false, H, 2, true>(a, stream, head_blocks);
+      return launch_with<T, T, false, H, 2>(a, stream, head_blocks);
     default: TORCH_CHECK(false, "rope_variants: no variant ", variant);
   }
 }

@@ -4,7 +4,7 @@ rotated past L2 (harness.py), % of the copy bandwidth measured in the same run, 
 variant's output checked bit-equal to the production kernel's first (HALF_TABLE variants
 too: the tables' halves are equal here, as in transformers').
 
-    python -m benchmarks.tuning.rope_variants [--variants 0/1,3/1,3/4] [--shapes big|small|decode|all]
+    python -m benchmarks.tuning.rope_variants [--variants 0/1,3/1,3/4] [--shapes big|small|decode|sweep|all]
 
 A variant is NUMBER/HEAD_BLOCKS (blocks a token's heads are spread over). The .cu is built
 with nvcc against this python's torch into .build-cache/rope_variants (about 30 s, sm of the
@@ -26,13 +26,17 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCE = Path(__file__).with_name("rope_variants.cu")
 NAMES = {0: "production", 1: "4 heads, 160 threads", 2: "4 heads, left half of the tables",
          3: "2 heads, 320 threads", 4: "2 heads, 320 threads, 64 regs", 5: "4 heads, 2 tokens a block",
-         6: "1 head, 8-byte units", 7: "1 head, 16-byte units", 8: "2 heads, 16-byte units"}
+         6: "1 head, 8-byte units", 7: "1 head, 16-byte units", 8: "2 heads, 16-byte units",
+         9: "production's kernel"}
 SHAPES = {"big": [(1, 32, 8, 8192, 128, torch.bfloat16), (4, 32, 8, 4096, 128, torch.bfloat16),
                   (1, 32, 8, 8192, 128, torch.float16)],
           "small": [(1, 32, 8, 128, 128, torch.bfloat16), (1, 32, 8, 1, 128, torch.bfloat16),
                     (1, 32, 8, 1024, 128, torch.bfloat16), (1, 32, 32, 16, 128, torch.bfloat16)],
           # a decode step: one token of each of a few sequences (Llama-8B's heads)
-          "decode": [(b, 32, 8, 1, 128, torch.bfloat16) for b in (1, 2, 4, 8)]}
+          "decode": [(b, 32, 8, 1, 128, torch.bfloat16) for b in (1, 2, 4, 8)],
+          # the size sweep's missed cells past decode: odd head counts, three heads, 256 tokens
+          "sweep": [(1, 76, 19, 8192, 128, torch.float16), (1, 20, 5, 4096, 128, torch.bfloat16),
+                    (1, 32, 8, 256, 128, torch.bfloat16), (1, 2, 1, 4096, 128, torch.bfloat16)]}
 SMALL_SETS = 192  # rotated input sets at most (as the sweep): decode inputs would want thousands
 MAX_CALLS = 512  # calls a graph holds at most (as the sweep)
 
@@ -40,7 +44,7 @@ MAX_CALLS = 512  # calls a graph holds at most (as the sweep)
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="0/1,1/1,2/1,3/1,3/4,4/1,5/1,6/4,7/4,8/1")
-    parser.add_argument("--shapes", choices=["big", "small", "decode", "all"], default="all")
+    parser.add_argument("--shapes", choices=["big", "small", "decode", "sweep", "all"], default="all")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
