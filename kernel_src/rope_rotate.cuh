@@ -238,9 +238,13 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
   const int64_t groups = (heads + HEADS - 1) / HEADS;
+  // A row of threads a group: heads past a block's rows spread over more blocks, not over
+  // passes of the block's rows, whose second pass the other rows would idle through.
+  const int64_t max_rows = max_block(WHOLE_GROUPS) / tx;
+  head_blocks = static_cast<int>(std::max<int64_t>(head_blocks, (groups + max_rows - 1) / max_rows));
   head_blocks = static_cast<int>(std::min<int64_t>(head_blocks, groups));  // no empty blocks
   const int64_t groups_per_block = (groups + head_blocks - 1) / head_blocks;
-  const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_block(WHOLE_GROUPS) / tx));
+  const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_rows));
   TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
   const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
                            a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),

@@ -44,13 +44,14 @@ def interleaved_ref(x, cos, sin):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 32, 8, 64, 128, 128), (2, 4, 4, 33, 64, 64), (2, 8, 2, 17, 128, 64), (1, 2, 1, 5, 80, 80), (3, 3, 1, 7, 6, 4),
-    # 600+ tokens (>= 2 per SM) take CUDA's path of four heads per thread: 9 heads leave a
-    # partial group of four; head counts that are multiples of four take its whole-groups
-    # kernel, whose blocks of at most 192 threads take 48 heads of 128 channels a pass (24 in
-    # fp32).
+    # 600+ tokens (>= 2 per SM) take a block a token on CUDA, two heads a thread: 9 or 7
+    # heads leave a partial pair; even head counts take the whole-groups kernel, whose blocks
+    # of at most 320 threads hold 40 heads of 128 channels (20 in fp32), the general kernel's
+    # of 512 threads 64 (32): more heads spread over two or three blocks a token.
     (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96), (1, 8, 4, 640, 128, 128), (1, 48, 8, 600, 128, 128),
+    (1, 61, 7, 600, 128, 128),
 ], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_partial", "many_whole_groups",
-        "many_heads_two_passes"])
+        "many_heads_whole_groups", "many_heads_partial"])
 @pytest.mark.kernels_ci
 def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d, rotary, dtype):
     # Transposed views, as attention modules make them: [B, S, H, D] memory, [B, H, S, D] view.
