@@ -4,7 +4,9 @@
   enough copies that every call misses L2 (a cold-cache number), median of replays; every
   call keeps its own output buffers too, else the graph's allocator hands one buffer to
   all of them and L2 absorbs the writes; a graph holds at least MIN_GRAPH_BYTES of
-  traffic so that its launch is a small share of a replay;
+  traffic so that its launch is a small share of a replay. A run that caps the copies
+  (the sweep, the tuning harnesses) times a case too small to reach cold L2 within the cap
+  L2-resident for every implementation instead (l2_resident);
 - eager time: the calls issued from Python back to back over the same rotated inputs
   (launch and dispatch included, as a caller sees it), median over batches;
 - host time: the host's time to issue a call whose work the GPU has not finished (launches
@@ -32,10 +34,22 @@ def l2_bytes() -> int:
 
 
 def copies_for_cold_l2(input_bytes: int, cap: Optional[int] = None) -> int:
-    """Input sets to rotate over so that a set is evicted from L2 before its next use (at
-    most `cap`: tiny inputs would want hundreds of thousands)."""
+    """Input sets to rotate over so that a set is evicted from L2 before its next use. Where
+    that takes more than `cap` sets (tiny inputs would want hundreds of thousands), the case
+    runs L2-resident instead (see l2_resident): at most `cap` sets within half the L2."""
     copies = max(1, -(-L2_MULTIPLE * l2_bytes() // max(1, input_bytes)))
-    return copies if cap is None else min(copies, cap)
+    if cap is None or copies <= cap:
+        return copies
+    return max(1, min(cap, l2_bytes() // 2 // max(1, input_bytes)))
+
+
+def l2_resident(copies: int, input_bytes: int) -> bool:
+    """Whether `copies` input sets of `input_bytes` fit in half the L2: a case too small for
+    its capped rotation to reach cold L2 runs L2-resident for every implementation, its calls'
+    outputs not held (the graph's allocator reuses their buffers). A rotation in between would
+    leave a share of the inputs in L2 that shrinks with an implementation's own outputs, and
+    so favour a peer that writes into its inputs (Liger's RoPE) over one with new outputs."""
+    return copies * input_bytes <= l2_bytes() // 2
 
 
 def calls_per_graph(copies: int, bytes_per_call: int, cap: Optional[int] = None) -> int:
@@ -45,8 +59,9 @@ def calls_per_graph(copies: int, bytes_per_call: int, cap: Optional[int] = None)
     return calls if cap is None else max(copies, min(calls, cap))
 
 
-def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 25) -> float:
-    """Median time of one call, from replays of a graph holding every call once."""
+def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 25, hold_outputs: bool = True) -> float:
+    """Median time of one call, from replays of a graph holding every call once (each with
+    its own outputs, unless hold_outputs is False: an L2-resident case's)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -55,7 +70,11 @@ def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 25) -> f
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outputs = [call() for call in calls]  # held: each call writes its own buffers
+        outputs = []
+        for call in calls:
+            out = call()
+            if hold_outputs:
+                outputs.append(out)  # held: each call writes its own buffers
     graph.replay()
     torch.cuda.synchronize()
     times: List[float] = []
@@ -128,7 +147,8 @@ def same_size_copy_us(nbytes: int, max_copies: Optional[int] = None, max_calls: 
     calls = calls_per_graph(len(sources), nbytes, max_calls)
     # mul by one is PyTorch's vectorized elementwise kernel; a copy_ in a graph becomes a
     # memcpy node, which runs slower (see copy_bandwidth_gbs)
-    return graph_time_us([lambda s=sources[i % len(sources)]: torch.mul(s, 1) for i in range(calls)])
+    return graph_time_us([lambda s=sources[i % len(sources)]: torch.mul(s, 1) for i in range(calls)],
+                         hold_outputs=not l2_resident(len(sources), 2 * elements))
 
 
 def cpu_times_us(calls: Dict[str, Callable[[], object]], rounds: int = 5, min_batch_us: float = 0.0) -> Dict[str, float]:
@@ -222,12 +242,13 @@ def time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer, notes=No
     a graph's calls (decode rows would otherwise want hundreds of thousands)."""
     notes = notes or {}
     calls_n = calls_per_graph(len(sets), nbytes, max_calls)
+    hold = not l2_resident(len(sets), sum(t.numel() * t.element_size() for t in sets[0] if torch.is_tensor(t)))
     times = {}
     for rep in range(reps):
         for name, factory in impls if rep % 2 == 0 else impls[::-1]:
             if name not in skipped:
                 calls = [factory(sets[i % len(sets)]) for i in range(calls_n)]
-                times.setdefault(name, []).append(graph_time_us(calls))
+                times.setdefault(name, []).append(graph_time_us(calls, hold_outputs=hold))
     best_peer = min(times[peer]) if peer in times else None
     for name, _ in impls:
         if name in skipped:

@@ -206,6 +206,39 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
   }
 }
 
+// Rotate-half's lean rows: every channel rotating, a head's 8-byte units over the block's x
+// threads (one unit each) and HEADS heads a row of threads (head counts multiples of
+// HEADS), a token's heads over gridDim.y blocks, one group a row: no loop, pass-through or
+// per-head select, where rope_kernel's general code costs a latency-bound token (a decode
+// step) most of its time. The math is rope_kernel's (UnitTables).
+template <typename T, typename C, int N, int HEADS>
+__global__ void __launch_bounds__(kWholeGroupsBlock, kWholeGroupsMinBlocks) rope_lean_kernel(const RopeParams<T, C> p) {
+  const int h0 = (blockIdx.y * blockDim.y + threadIdx.y) * HEADS;
+  if (h0 >= p.q.heads + p.k.heads) return;  // the last block's rows past the heads
+  const uint32_t b = p.seq.div(blockIdx.x);
+  const uint32_t s = blockIdx.x - b * p.seq.divisor;
+  const auto group = TokenRows<T>(p.q, p.k, b, s).group(h0);
+  const int second = p.rotary_dim / 2;
+  const int i = threadIdx.x * N;
+  Vec<T, N> x1[HEADS], x2[HEADS];
+#pragma unroll
+  for (int j = 0; j < HEADS; ++j) {
+    x1[j] = load_n<T, N, true>(group.in + j * group.in_h + i);
+    x2[j] = load_n<T, N, true>(group.in + j * group.in_h + i + second);
+  }
+  UnitTables<N, false> tables;
+  tables.template load<C, true>(p.cos + b * p.table_b + s * p.table_s, p.sin + b * p.table_b + s * p.table_s, i,
+                                second, p.inverse);
+#pragma unroll
+  for (int j = 0; j < HEADS; ++j) {
+    Vec<T, N> y1, y2;
+    tables.rotate(x1[j], x2[j], y1, y2);
+    T* out = group.out + j * group.out_h;
+    store_n<T, N, true>(out + i, y1);
+    store_n<T, N, true>(out + i + second, y2);
+  }
+}
+
 template <typename T>
 RopeRows<T> rows_of(const RopeTensor& t) {
   return {static_cast<T*>(t.out), static_cast<const T*>(t.in), t.heads, t.in_b, t.in_h, t.in_s,
@@ -261,6 +294,39 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   check_launch();
 }
 
+// rope_lean_kernel over the tokens, a token's heads over at least `head_blocks` blocks (as
+// many as hold a group a row of threads). The caller checks lean_rope.
+template <typename T, typename C, int N, int HEADS>
+void launch_lean(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
+  const int tx = static_cast<int>(a.rotary_dim / 2 / N);
+  const int64_t groups = (a.q.heads + a.k.heads) / HEADS;
+  const int64_t tokens = a.batch * a.seq;
+  if (tokens == 0 || groups == 0) return;
+  TORCH_CHECK(tokens <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", tokens);
+  const int64_t max_rows = kWholeGroupsBlock / tx;
+  const int64_t blocks = std::min<int64_t>(groups, std::max<int64_t>(head_blocks, (groups + max_rows - 1) / max_rows));
+  const int rows = static_cast<int>((groups + blocks - 1) / blocks);
+  const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
+                           a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
+                           static_cast<int>(a.rotary_dim), a.inverse};
+  rope_lean_kernel<T, C, N, HEADS><<<dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(blocks)), dim3(tx, rows),
+                                     0, stream>>>(p);
+  check_launch();
+}
+
+// Whether rope_lean_kernel takes the heads at HEADS a row: every channel rotating, a head's
+// units within one row of threads, head counts multiples of HEADS (the caller checks the
+// alignment of N-wide units).
+template <int N, int HEADS>
+bool lean_rope(const RopeArgs& a) {
+  return a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.rotary_dim / 2 / N <= kUnitThreads && a.q.heads % HEADS == 0 &&
+         a.k.heads % HEADS == 0;
+}
+
+// A decode step's tokens (fewer than two an SM) spread their heads over this many blocks,
+// a head a thread: more SMs issue the loads of a latency-bound token (docs/decisions.md).
+constexpr int kLeanDecodeHeadBlocks = 8;
+
 template <typename T, typename C, bool INTERLEAVED>
 void launch(const RopeArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
@@ -270,14 +336,19 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     if (vectorizable<T, C, V>(a)) return launch_with<T, C, true, V, 2>(a, stream);
     return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned
   } else {
-    // 8-byte units of two heads each: a thread has 32 bytes of heads in flight and
-    // converts its two table vectors once for both. Few tokens spread their heads over
-    // four blocks (over more SMs). Head counts that are multiples of two take whole groups.
-    // Four-head units and 16-byte units of one head were slower (benchmarks/rope_variants.py,
-    // docs/decisions.md). fp32 takes the same 8-byte units.
+    // 8-byte units (fp32 too): two heads a thread have 32 bytes in flight and convert
+    // their two table vectors once for both. Every channel rotating, the lean kernel takes
+    // the heads: one a thread at decode (fewer than two tokens an SM, over
+    // kLeanDecodeHeadBlocks blocks a token), two a thread past it (even head counts).
+    // Otherwise rope_kernel at two heads a thread, a decode token's heads over four blocks,
+    // whole groups at even head counts. Four-head units and 16-byte units of one head were
+    // slower (benchmarks/rope_variants.py, docs/decisions.md).
     constexpr int kHalfVec = V / 2;
     if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
-    const int head_blocks = two_rows_per_sm(a.batch * a.seq, a.device.index()) ? 1 : 4;
+    const bool decode = !two_rows_per_sm(a.batch * a.seq, a.device.index());
+    if (decode && lean_rope<kHalfVec, 1>(a)) return launch_lean<T, C, kHalfVec, 1>(a, stream, kLeanDecodeHeadBlocks);
+    if (!decode && lean_rope<kHalfVec, 2>(a)) return launch_lean<T, C, kHalfVec, 2>(a, stream, 1);
+    const int head_blocks = decode ? 4 : 1;
     if (a.q.heads % 2 == 0 && a.k.heads % 2 == 0) {
       return launch_with<T, C, false, kHalfVec, 2, true>(a, stream, head_blocks);
     }

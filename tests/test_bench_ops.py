@@ -40,6 +40,21 @@ def test_host_time_is_the_issuing_time_of_one_call():
     assert harness.host_time_us(lambda: None, calls=5, runs=3) < 200
 
 
+@pytest.mark.parametrize("cap", [None, 192])
+def test_capped_rotation_is_cold_or_l2_resident(monkeypatch, cap):
+    """Input sets either span L2_MULTIPLE L2 sizes (cold for every call) or fit in half the
+    L2 (resident for every implementation, whatever its outputs' footprint): never in
+    between, where what stays in L2 would depend on the implementation."""
+    l2 = 50 << 20
+    monkeypatch.setattr(harness, "l2_bytes", lambda: l2)
+    for size in (1, 2048, 100_000, 400_000, 800_000, 900_000, 10 << 20, 400 << 20):
+        copies = harness.copies_for_cold_l2(size, cap)
+        assert cap is None or copies <= cap
+        cold = copies * size >= harness.L2_MULTIPLE * l2
+        assert cold != harness.l2_resident(copies, size), (size, copies)
+        assert cold or cap is not None
+
+
 def test_runner_skips_a_wrong_implementation_untimed():
     timed = []
 

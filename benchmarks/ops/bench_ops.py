@@ -567,7 +567,8 @@ def max_error(actual, expected) -> float:
 
 @dataclass(frozen=True)
 class Timing:
-    """How a run times a case. On CUDA: input sets rotated past L2 (at most ``max_copies``),
+    """How a run times a case. On CUDA: input sets rotated past L2 (at most ``max_copies``;
+    a case too small for that runs L2-resident, see harness.l2_resident),
     at least harness.MIN_GRAPH_BYTES of calls a graph (at most ``max_calls``), ``replays``
     graph replays and ``eager_batches`` eager batches of about ``eager_batch_us`` each. On
     the CPU: ``cpu_rounds`` interleaved rounds of every implementation (harness.cpu_times_us)."""
@@ -690,7 +691,8 @@ class Runner:
 
     def time_cuda(self, fn: Callable, sets: List[tuple], calls: int) -> Tuple[float, float]:
         rotated = [lambda s=sets[i % len(sets)]: fn(*s) for i in range(calls)]
-        kernel_us = harness.graph_time_us(rotated, self.timing.replays)
+        hold = not harness.l2_resident(len(sets), size_of(sets[0]))
+        kernel_us = harness.graph_time_us(rotated, self.timing.replays, hold_outputs=hold)
         # About eager_batch_us of calls per batch: many for small shapes, few for large.
         batch = int(min(200, max(5, self.timing.eager_batch_us / kernel_us)))
         return kernel_us, harness.eager_time_us(rotated[:len(sets)], batch=batch, batches=self.timing.eager_batches)
