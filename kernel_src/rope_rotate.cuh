@@ -14,6 +14,7 @@
 namespace ltx::rope_cuda {
 
 constexpr int kUnitThreads = 256;  // threads across one head's channels
+constexpr int64_t kMaxGridY = 65535;
 constexpr int kMaxBlock = 512;  // fp32 tables of rotate-half need more than 64 registers
 // The whole-groups kernel (see rope_kernel) takes a token of 32 + 8 heads, two a row of
 // threads, in one 320-thread block; four such blocks per SM (51 registers) keep enough
@@ -275,7 +276,8 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   // passes of the block's rows, whose second pass the other rows would idle through.
   const int64_t max_rows = max_block(WHOLE_GROUPS) / tx;
   head_blocks = static_cast<int>(std::max<int64_t>(head_blocks, (groups + max_rows - 1) / max_rows));
-  head_blocks = static_cast<int>(std::min<int64_t>(head_blocks, groups));  // no empty blocks
+  // no empty blocks; past the grid's y bound the rows take further passes
+  head_blocks = static_cast<int>(std::min<int64_t>({head_blocks, groups, kMaxGridY}));
   const int64_t groups_per_block = (groups + head_blocks - 1) / head_blocks;
   const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_rows));
   TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
@@ -315,12 +317,12 @@ void launch_lean(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
 }
 
 // Whether rope_lean_kernel takes the heads at HEADS a row: every channel rotating, a head's
-// units within one row of threads, head counts multiples of HEADS (the caller checks the
-// alignment of N-wide units).
+// units within one row of threads, head counts multiples of HEADS, a block a group at most
+// within the grid's y bound (the caller checks the alignment of N-wide units).
 template <int N, int HEADS>
 bool lean_rope(const RopeArgs& a) {
-  return a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.rotary_dim / 2 / N <= kUnitThreads && a.q.heads % HEADS == 0 &&
-         a.k.heads % HEADS == 0;
+  return a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.rotary_dim / 2 / N <= kUnitThreads &&
+         a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0 && (a.q.heads + a.k.heads) / HEADS <= kMaxGridY;
 }
 
 // A decode step's tokens (fewer than two an SM) spread their heads over this many blocks,

@@ -159,7 +159,7 @@ def main():
         row_bytes = first[0].numel() * first[0].element_size()
         # in and out (the residual's two more), and the weight
         nbytes = (4 if residual_rows else 2) * row_bytes + (d * first[0].element_size() if weighted else 0)
-        copies = harness.copies_for_cold_l2(nbytes // 2, cap=SMALL_SETS)
+        copies = harness.copies_for_cold_l2(input_bytes(first), cap=SMALL_SETS)
         sets = [first] + [inputs() for _ in range(copies - 1)]
         if residual_rows:
             expected = fused_add(*[t.double() for t in first])[:1]  # y: a variant's h is the same sum
@@ -245,7 +245,8 @@ def lean_rows(ltx, ops, shapes, variants, bandwidth, reps):
             # every operand read once, the outputs written (the residual ops' sum too)
             outputs = 2 if op.startswith(("fused", "gated")) else 1
             nbytes = sum(t.numel() * t.element_size() for t in first) + outputs * first[0].numel() * 2
-            sets = [first] + [inputs() for _ in range(harness.copies_for_cold_l2(nbytes // 2, cap=SMALL_SETS) - 1)]
+            copies = harness.copies_for_cold_l2(input_bytes(first), cap=SMALL_SETS)
+            sets = [first] + [inputs() for _ in range(copies - 1)]
             compiled = bench_ops.compiled(eager, "inductor")  # a graph per shape, checked compiled
             impls = [("compile", lambda t: (lambda: compiled(*t)))]
             impls += [(spec, variant(spec)) for spec in variants]
@@ -261,6 +262,11 @@ def lean_rows(ltx, ops, shapes, variants, bandwidth, reps):
             print(f"\n{op} {rows}x{d} bf16, {nbytes / 1e6:.3f} MB, {len(sets)} sets")
             harness.time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer="compile", notes=notes,
                                    max_calls=MAX_CALLS)
+
+
+def input_bytes(inputs):
+    """The bytes of an input set, as time_and_print counts them for its L2 regime."""
+    return sum(t.numel() * t.element_size() for t in inputs if torch.is_tensor(t))
 
 
 def fused_add_eager(ltx):
