@@ -58,10 +58,18 @@ def main():
     bandwidth = harness.copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
 
+    # A shape that runs L2-resident (harness.l2_resident) gives every call of a candidate one
+    # output pair, as the sweep's graphs reuse their outputs' buffers; otherwise each call has
+    # its own.
+    shared = {}
+
     def ours(variant, head_blocks):
         def factory(inputs):
             q, k, cos, sin = inputs
-            q_out, k_out = (q, k) if args.in_place else (torch.empty_like(q), torch.empty_like(k))
+            if args.in_place:
+                q_out, k_out = q, k
+            else:
+                q_out, k_out = shared.get("outputs") or (torch.empty_like(q), torch.empty_like(k))
 
             def call():
                 run(q, k, cos, sin, q_out, k_out, variant, head_blocks)
@@ -79,6 +87,7 @@ def main():
         nbytes = bench_ops.size_of(first) + bench_ops.size_of(first[:2])  # q, k written back
         copies = harness.copies_for_cold_l2(nbytes, cap=SMALL_SETS)
         sets = [first] + [bench_ops.rotate_half_inputs(b, hq, hkv, s, d, "cuda", dtype) for _ in range(copies - 1)]
+        shared.clear()
         # each on fresh copies: an in-place variant (and Liger) overwrites its inputs
         reference = ours(0, 1)(tuple(t.clone() for t in first))()
         print(f"\nq[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}] {str(dtype)[6:]}, {nbytes / 1e6:.1f} MB")
@@ -91,6 +100,8 @@ def main():
                 continue
             if not all(torch.equal(o, r) for o, r in zip(out, reference)):
                 skipped[name] = "WRONG RESULT (not bit-equal to production)"
+        if harness.l2_resident(len(sets), bench_ops.size_of(first)):
+            shared["outputs"] = (torch.empty_like(first[0]), torch.empty_like(first[1]))
         harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="liger", width=42,
                                max_calls=MAX_CALLS)
 
