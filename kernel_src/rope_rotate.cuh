@@ -246,6 +246,21 @@ RopeRows<T> rows_of(const RopeTensor& t) {
           t.out_b, t.out_h, t.out_s};
 }
 
+template <typename T, typename C>
+RopeParams<T, C> params_of(const RopeArgs& a) {
+  return {rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
+          a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim),
+          a.inverse};
+}
+
+// Blocks a token's `groups` of heads spread over, rows of at most `max_rows` groups: at
+// least `wanted`, and as many as give every row of threads one group (heads past a block's
+// rows spread over more blocks, not over passes of its rows, whose second pass the other
+// rows would idle through); no empty blocks, and past the grid's y bound further passes.
+inline int64_t head_blocks_for(int64_t groups, int64_t max_rows, int64_t wanted) {
+  return std::min<int64_t>({std::max<int64_t>(wanted, (groups + max_rows - 1) / max_rows), groups, kMaxGridY});
+}
+
 template <typename T, typename C, int N>
 bool vectorizable(const RopeArgs& a) {
   const int64_t unit = a.interleaved ? a.rotary_dim : a.rotary_dim / 2;
@@ -272,18 +287,12 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   const int64_t blocks = a.batch * a.seq;
   if (blocks == 0 || heads == 0) return;
   const int64_t groups = (heads + HEADS - 1) / HEADS;
-  // A row of threads a group: heads past a block's rows spread over more blocks, not over
-  // passes of the block's rows, whose second pass the other rows would idle through.
   const int64_t max_rows = max_block(WHOLE_GROUPS) / tx;
-  head_blocks = static_cast<int>(std::max<int64_t>(head_blocks, (groups + max_rows - 1) / max_rows));
-  // no empty blocks; past the grid's y bound the rows take further passes
-  head_blocks = static_cast<int>(std::min<int64_t>({head_blocks, groups, kMaxGridY}));
+  head_blocks = static_cast<int>(head_blocks_for(groups, max_rows, head_blocks));
   const int64_t groups_per_block = (groups + head_blocks - 1) / head_blocks;
   const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_rows));
   TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
-  const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
-                           a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
-                           static_cast<int>(a.rotary_dim), a.inverse};
+  const RopeParams<T, C> p = params_of<T, C>(a);
   constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
   int unit_blocks = 1;
   if (!two_rows_per_sm(blocks, a.device.index())) {
@@ -305,14 +314,11 @@ void launch_lean(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
   const int64_t tokens = a.batch * a.seq;
   if (tokens == 0 || groups == 0) return;
   TORCH_CHECK(tokens <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", tokens);
-  const int64_t max_rows = kWholeGroupsBlock / tx;
-  const int64_t blocks = std::min<int64_t>(groups, std::max<int64_t>(head_blocks, (groups + max_rows - 1) / max_rows));
+  // lean_rope keeps the groups within the grid's y bound: a group a row, one pass
+  const int64_t blocks = head_blocks_for(groups, kWholeGroupsBlock / tx, head_blocks);
   const int rows = static_cast<int>((groups + blocks - 1) / blocks);
-  const RopeParams<T, C> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const C*>(a.cos), static_cast<const C*>(a.sin),
-                           a.table_b, a.table_s, IntDivider(a.seq), static_cast<int>(a.head_dim),
-                           static_cast<int>(a.rotary_dim), a.inverse};
   rope_lean_kernel<T, C, N, HEADS><<<dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(blocks)), dim3(tx, rows),
-                                     0, stream>>>(p);
+                                     0, stream>>>(params_of<T, C>(a));
   check_launch();
 }
 

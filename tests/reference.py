@@ -44,6 +44,25 @@ def adaln_ref(x, scale, shift, eps, norm):
     return n * (1 + scale.double()) + shift.double()
 
 
+def adaln_checking_stats(kernel, x, scale, shift, eps, norm, residual=None, gate=None):
+    """AdaLN (after the gated residual where a residual is given) through the op that saves
+    each row's (mean, rstd): its outputs must be the bits of the op without statistics, and
+    the statistics those of the normalised rows in fp64. Returns (normed rows, statistics)."""
+    if residual is None:
+        out, stats = kernel.ops.adaln_with_stats(x, scale, shift, eps, norm)
+        assert torch.equal(out, kernel.ops.adaln(x, scale, shift, eps, norm))
+        normed = x
+    else:
+        normed, out, stats = kernel.ops.gated_residual_adaln_with_stats(residual, x, gate, scale, shift, eps, norm)
+        without = kernel.ops.gated_residual_adaln(residual, x, gate, scale, shift, eps, norm)
+        assert torch.equal(normed, without[0]) and torch.equal(out, without[1])
+    n64 = normed.double()
+    mean = n64.mean(-1) if norm == "layer" else torch.zeros_like(n64[..., 0])
+    rstd = (n64 - mean[..., None]).square().mean(-1).add(eps).rsqrt()
+    torch.testing.assert_close(stats.double(), torch.stack([mean, rstd], -1), rtol=1e-5, atol=1e-5)
+    return normed, stats
+
+
 def gated_residual_ref(residual, x, gate):
     """``residual + x * gate`` rounded once to the input dtype."""
     if x.dim() == 3 and gate.dim() == 2:

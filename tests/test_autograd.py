@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reference import adaln_ref, rms_norm_ref, rope_ref
+from reference import adaln_checking_stats, adaln_ref, rms_norm_ref, rope_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Worst error of a grad vs the fp64 reference, relative to the reference's largest
@@ -170,19 +170,8 @@ def test_adaln_backward_with_and_without_saved_stats(kernel, device, op, norm, c
         return torch.randn(*size, device=device, dtype=dtype)
 
     x, scale, shift = randn(shape) * 2 + 3, randn(per_batch), randn(per_batch)
-    if op == "adaln":
-        out, stats = kernel.ops.adaln_with_stats(x, scale, shift, 1e-6, norm)
-        assert torch.equal(out, kernel.ops.adaln(x, scale, shift, 1e-6, norm))
-        normed = x
-    else:
-        residual, gate = randn(shape), randn(per_batch)
-        normed, out, stats = kernel.ops.gated_residual_adaln_with_stats(residual, x, gate, scale, shift, 1e-6, norm)
-        without = kernel.ops.gated_residual_adaln(residual, x, gate, scale, shift, 1e-6, norm)
-        assert torch.equal(normed, without[0]) and torch.equal(out, without[1])
-    n64 = normed.double()
-    mean = n64.mean(-1) if norm == "layer" else torch.zeros_like(n64[..., 0])
-    rstd = (n64 - mean[..., None]).square().mean(-1).add(1e-6).rsqrt()
-    torch.testing.assert_close(stats.double(), torch.stack([mean, rstd], -1), rtol=1e-5, atol=1e-5)
+    residual = dict(residual=randn(shape), gate=randn(per_batch)) if op == "gated_residual_adaln" else {}
+    normed, stats = adaln_checking_stats(kernel, x, scale, shift, 1e-6, norm, **residual)
 
     grad_out = randn(shape)
     inputs64 = [t.double().requires_grad_() for t in (normed, scale, shift)]

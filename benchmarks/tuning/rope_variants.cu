@@ -74,9 +74,7 @@ void launch_variant(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
   const bool takes = a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0 && a.rotary_dim == a.head_dim &&
                      tx * rows * TOKENS <= MAX_BLOCK && vectorizable<T, T, N>(a);
   TORCH_CHECK(takes, "rope_variants: this variant does not take these shapes");
-  const RopeParams<T, T> p{rows_of<T>(a.q), rows_of<T>(a.k), static_cast<const T*>(a.cos),
-                           static_cast<const T*>(a.sin), a.table_b, a.table_s, IntDivider(a.seq),
-                           static_cast<int>(a.head_dim), static_cast<int>(a.rotary_dim), false};
+  const RopeParams<T, T> p = params_of<T, T>(a);  // forward only (rope_apply's inverse false)
   const dim3 grid((tokens + TOKENS - 1) / TOKENS, head_blocks);
   variant_kernel<T, N, HEADS, HALF_TABLE, MAX_BLOCK, MIN_BLOCKS, TOKENS>
       <<<grid, dim3(tx, rows * TOKENS), 0, stream>>>(p, tokens);
