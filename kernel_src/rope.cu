@@ -37,7 +37,11 @@ constexpr int kQkSharedRowsBlock = 256;
 // them twice from DRAM cost 1.5x the bytes. Tables broadcast over the batch (stride 0)
 // order the rows token-major, (s, b, q/k), so all 2B rows of a token read its table row
 // while it is in L2.
-template <typename T, typename C, int VEC, bool ALIGNED>
+//
+// CACHED vectors a thread hold the row; PRELOAD (one vector a thread, a decode step's rows)
+// loads the weight and tables with the row, ahead of the reduction: one memory round trip
+// instead of two on a latency-bound row.
+template <typename T, typename C, int VEC, bool ALIGNED, int CACHED, bool PRELOAD>
 __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormRopeParams<T, C> p, int row_shift) {
   __shared__ float scratch[32];
   // Rows take a power of two of threads, passed as its log: the row's offsets are shifts,
@@ -61,13 +65,21 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
   const C* sin = p.sin + b * p.table_b + s * p.table_s;
   const int nvec = p.channels / VEC;
 
-  Vec<T, VEC> cached[kQkCachedVecs];
+  static_assert(!PRELOAD || CACHED == 1, "qk_norm_rope: the preloading rows take one vector a thread");
+  Vec<T, VEC> cached[CACHED], wv[CACHED];
+  Vec<C, VEC> c[CACHED], sn[CACHED];
+  auto load_operands = [&](int k, int i) {
+    wv[k] = load_n<T, VEC, ALIGNED>(w + i * VEC);
+    c[k] = load_n<C, VEC, ALIGNED>(cos + i * VEC);
+    sn[k] = load_n<C, VEC, ALIGNED>(sin + i * VEC);
+  };
   float sum_sq = 0.f;
 #pragma unroll
-  for (int k = 0; k < kQkCachedVecs; ++k) {
+  for (int k = 0; k < CACHED; ++k) {
     const int i = t + k * threads_per_row;
     if (active && i < nvec) {
       cached[k] = load_n<T, VEC, ALIGNED>(x + i * VEC);
+      if constexpr (PRELOAD) load_operands(k, i);
       float f[VEC];
       to_floats(cached[k], f);
 #pragma unroll
@@ -78,17 +90,15 @@ __global__ void __launch_bounds__(kQkMaxBlock) qk_norm_rope_kernel(const QkNormR
   if (!active) return;
   const float rstd = rsqrtf(sum_sq * p.inv_channels + p.eps);
 #pragma unroll
-  for (int k = 0; k < kQkCachedVecs; ++k) {
+  for (int k = 0; k < CACHED; ++k) {
     const int i = t + k * threads_per_row;
     if (i >= nvec) continue;
-    const Vec<T, VEC> wv = load_n<T, VEC, ALIGNED>(w + i * VEC);
-    const Vec<C, VEC> c = load_n<C, VEC, ALIGNED>(cos + i * VEC);
-    const Vec<C, VEC> sn = load_n<C, VEC, ALIGNED>(sin + i * VEC);
+    if constexpr (!PRELOAD) load_operands(k, i);
     float xf[VEC], wf[VEC], cf[VEC], sf[VEC], out[VEC];
     to_floats(cached[k], xf);
-    to_floats(wv, wf);
-    to_floats(c, cf);
-    to_floats(sn, sf);
+    to_floats(wv[k], wf);
+    to_floats(c[k], cf);
+    to_floats(sn[k], sf);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) xf[j] = to_float(from_float<T>(xf[j] * rstd * wf[j]));  // the norm's output
 #pragma unroll
@@ -112,11 +122,15 @@ void launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   for (int64_t stride : {a.q_stride, a.k_stride, a.q_out_stride, a.k_out_stride}) vector = vector && stride % V == 0;
   // The scalar path works on pairs, element by element (no alignment assumed).
   const int vec = vector ? V : 2;
-  const RowLaunch cfg = row_launch(a.channels / vec, kQkCachedVecs, kQkMaxBlock, kQkSharedRowsBlock);
-  TORCH_CHECK(static_cast<int64_t>(cfg.threads_per_row) * kQkCachedVecs * vec >= a.channels,
-              "qk_norm_rope: C = ", a.channels, " is too wide for the kernel's registers with these alignments");
   const int64_t rows = a.batch * a.seq;
   TORCH_CHECK(2 * rows <= INT32_MAX, "qk_norm_rope: at most 2^30 - 1 tokens (B * S) on CUDA, got ", rows);
+  // A decode step's rows (fewer than two an SM) preload at one vector a thread where a
+  // block holds the row.
+  const bool preload = !two_rows_per_sm(2 * rows, a.device.index()) && a.channels / vec <= kQkMaxBlock;
+  const int per_thread = preload ? 1 : kQkCachedVecs;
+  const RowLaunch cfg = row_launch(a.channels / vec, per_thread, kQkMaxBlock, kQkSharedRowsBlock);
+  TORCH_CHECK(static_cast<int64_t>(cfg.threads_per_row) * per_thread * vec >= a.channels,
+              "qk_norm_rope: C = ", a.channels, " is too wide for the kernel's registers with these alignments");
   const QkNormRopeParams<T, C> p{static_cast<T*>(a.q_out), static_cast<T*>(a.k_out), static_cast<const T*>(a.q),
                                  static_cast<const T*>(a.k), static_cast<const T*>(a.q_weight),
                                  static_cast<const T*>(a.k_weight), static_cast<const C*>(a.cos),
@@ -127,12 +141,16 @@ void launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (2 * rows + rows_per_block - 1) / rows_per_block;
   const int row_shift = __builtin_ctz(cfg.threads_per_row);
+  const auto run = [&](auto kernel) {
+    kernel<<<blocks, cfg.block, 0, stream>>>(p, row_shift);
+    check_launch();
+  };
   if (vector) {
-    qk_norm_rope_kernel<T, C, V, true><<<blocks, cfg.block, 0, stream>>>(p, row_shift);
-  } else {
-    qk_norm_rope_kernel<T, C, 2, false><<<blocks, cfg.block, 0, stream>>>(p, row_shift);
+    return preload ? run(qk_norm_rope_kernel<T, C, V, true, 1, true>)
+                   : run(qk_norm_rope_kernel<T, C, V, true, kQkCachedVecs, false>);
   }
-  check_launch();
+  return preload ? run(qk_norm_rope_kernel<T, C, 2, false, 1, true>)
+                 : run(qk_norm_rope_kernel<T, C, 2, false, kQkCachedVecs, false>);
 }
 
 }  // namespace

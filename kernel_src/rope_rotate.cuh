@@ -240,6 +240,34 @@ __global__ void __launch_bounds__(kWholeGroupsBlock, kWholeGroupsMinBlocks) rope
   }
 }
 
+// Interleaved RoPE's lean rows: every channel rotating and q and k of equal head counts
+// (LTX-Video's [B, S, C] q and k, FLUX's heads), a thread rotates one unit of N channels of
+// q's head h and of k's head h with one conversion of the tables; the block's x threads
+// (and gridDim.z blocks) over a head's units, its rows of threads over the heads. No loop,
+// pass-through or per-head select, and 32-bit offsets (pairs_rope checks that they fit):
+// a latency-bound token (a decode step) pays for every instruction ahead of its loads.
+template <typename T, typename C, int N>
+__global__ void __launch_bounds__(kUnitThreads) rope_pairs_kernel(const RopeParams<T, C> p) {
+  const int h = blockIdx.y * blockDim.y + threadIdx.y;
+  const int i = (blockIdx.z * blockDim.x + threadIdx.x) * N;
+  if (h >= p.q.heads || i >= p.rotary_dim) return;
+  const int b = static_cast<int>(p.seq.div(blockIdx.x));
+  const int s = static_cast<int>(blockIdx.x) - b * static_cast<int>(p.seq.divisor);
+  auto offset = [&](int64_t sb, int64_t ss, int64_t sh) {
+    return b * static_cast<int>(sb) + s * static_cast<int>(ss) + h * static_cast<int>(sh) + i;
+  };
+  const Vec<T, N> q = load_n<T, N, true>(p.q.in + offset(p.q.in_b, p.q.in_s, p.q.in_h));
+  const Vec<T, N> k = load_n<T, N, true>(p.k.in + offset(p.k.in_b, p.k.in_s, p.k.in_h));
+  const int table = b * static_cast<int>(p.table_b) + s * static_cast<int>(p.table_s);
+  UnitTables<N, true> tables;
+  tables.template load<C, true>(p.cos + table, p.sin + table, i, 0, p.inverse);
+  Vec<T, N> y, unused;
+  tables.rotate(q, q, y, unused);
+  store_n<T, N, true>(p.q.out + offset(p.q.out_b, p.q.out_s, p.q.out_h), y);
+  tables.rotate(k, k, y, unused);
+  store_n<T, N, true>(p.k.out + offset(p.k.out_b, p.k.out_s, p.k.out_h), y);
+}
+
 template <typename T>
 RopeRows<T> rows_of(const RopeTensor& t) {
   return {static_cast<T*>(t.out), static_cast<const T*>(t.in), t.heads, t.in_b, t.in_h, t.in_s,
@@ -331,6 +359,43 @@ bool lean_rope(const RopeArgs& a) {
          a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0 && (a.q.heads + a.k.heads) / HEADS <= kMaxGridY;
 }
 
+// Whether rope_pairs_kernel takes an interleaved call: every channel rotating, q and k of
+// equal head counts, every offset of q, k, their outputs and the tables within 32 bits, a
+// grid within its y and z bounds (the caller checks the alignment of N-wide units).
+template <int N>
+bool pairs_rope(const RopeArgs& a) {
+  auto fits = [&](std::initializer_list<std::pair<int64_t, int64_t>> extents) {
+    int64_t last = 0;  // the largest offset: strides are non-negative
+    for (const auto& [size, stride] : extents) last += (size - 1) * stride;
+    return last <= INT32_MAX;
+  };
+  bool ok = a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.q.heads == a.k.heads && a.q.heads <= kMaxGridY &&
+            a.rotary_dim / N <= kUnitThreads * kMaxGridY && fits({{a.batch, a.table_b}, {a.seq, a.table_s}, {a.rotary_dim, 1}});
+  for (const RopeTensor* t : {&a.q, &a.k}) {
+    ok = ok && fits({{a.batch, t->in_b}, {a.seq, t->in_s}, {t->heads, t->in_h}, {a.head_dim, 1}}) &&
+         fits({{a.batch, t->out_b}, {a.seq, t->out_s}, {t->heads, t->out_h}, {a.head_dim, 1}});
+  }
+  return ok;
+}
+
+// rope_pairs_kernel over the tokens: a head's units over at most `unit_threads` threads (and
+// further blocks past them), a token's heads over rows of threads up to kUnitThreads in all,
+// further heads over further blocks. The caller checks pairs_rope.
+template <typename T, typename C, int N>
+void launch_pairs(const RopeArgs& a, cudaStream_t stream, int unit_threads = kUnitThreads) {
+  const int64_t units = a.rotary_dim / N;
+  const int64_t tokens = a.batch * a.seq;
+  if (tokens == 0 || a.q.heads == 0) return;
+  TORCH_CHECK(tokens <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", tokens);
+  const int64_t unit_blocks = (units + unit_threads - 1) / unit_threads;
+  const int tx = static_cast<int>((units + unit_blocks - 1) / unit_blocks);
+  const int64_t head_blocks = head_blocks_for(a.q.heads, kUnitThreads / tx, 1);
+  const int rows = static_cast<int>((a.q.heads + head_blocks - 1) / head_blocks);
+  const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(head_blocks), static_cast<unsigned>(unit_blocks));
+  rope_pairs_kernel<T, C, N><<<grid, dim3(tx, rows), 0, stream>>>(params_of<T, C>(a));
+  check_launch();
+}
+
 // A decode step's tokens (fewer than two an SM) spread their heads over this many blocks,
 // a head a thread: more SMs issue the loads of a latency-bound token (docs/decisions.md).
 constexpr int kLeanDecodeHeadBlocks = 8;
@@ -340,8 +405,12 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   if constexpr (INTERLEAVED) {
     // Two heads per thread: LTX's q and k read their [B, S, C] fp32 tables (half the
-    // bytes it moves) once, where one head a thread read them twice (docs/decisions.md).
-    if (vectorizable<T, C, V>(a)) return launch_with<T, C, true, V, 2>(a, stream);
+    // bytes it moves) once, where one head a thread read them twice (docs/decisions.md);
+    // q's head and k's, where their counts match, on the lean kernel.
+    if (vectorizable<T, C, V>(a)) {
+      if (pairs_rope<V>(a)) return launch_pairs<T, C, V>(a, stream);
+      return launch_with<T, C, true, V, 2>(a, stream);
+    }
     return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned
   } else {
     // 8-byte units (fp32 too): two heads a thread have 32 bytes in flight and convert
