@@ -567,6 +567,25 @@ __global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_kernel(con
   }
 }
 
+// The gated residual's lean rows: a gate always, a vector a thread, a row of threads a row,
+// no loop or option tested at run time, 32-bit offsets (gated_residual_lean checks that they
+// fit): a latency-bound call (a decode step) pays for every instruction ahead of its loads.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_lean_kernel(const NormParams<T, T, T> p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y * blockDim.y + threadIdx.y;
+  if (i >= p.cols / VEC || r >= p.rows) return;
+  const int batch = static_cast<int>(p.tokens.div(static_cast<uint32_t>(r)));
+  const int token = r - batch * static_cast<int>(p.tokens.divisor);
+  Vec<T, VEC> v = load_vec<T, VEC>(p.input + r * static_cast<int>(p.input_stride), i);
+  const Vec<T, VEC> rv = load_vec<T, VEC>(p.residual + r * static_cast<int>(p.residual_stride), i);
+  const Vec<T, VEC> g = load_vec<T, VEC>(
+      p.gate + batch * static_cast<int>(p.gate_batch) + token * static_cast<int>(p.gate_token), i);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
+  store_vec<T, VEC>(p.residual_out + r * static_cast<int>(p.residual_out_stride), i, v);
+}
+
 // Whether every pointer and stride allows VEC-wide accesses.
 template <typename T, typename W, typename O, int VEC>
 bool vectorizable(const NormArgs& a) {
@@ -1157,6 +1176,14 @@ void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
     kernel<<<tiling.grid, tiling.block, 0, stream>>>(make_params<T, T, T>(a));
     check_launch();
   };
+  // The lean kernel where the grid's rows of threads cover the rows in one pass, and every
+  // offset fits in 32 bits (strides are non-negative).
+  const int64_t batches = (a.rows + a.tokens - 1) / a.tokens;
+  const int64_t reach = (a.rows - 1) * std::max({a.input_stride, a.residual_stride, a.residual_out_stride}) + a.cols;
+  const int64_t gate_reach = (batches - 1) * a.gate.batch_stride + (a.tokens - 1) * a.gate.token_stride + a.cols;
+  const bool lean = vector && a.gate.ptr != nullptr && tiling.grid.y * static_cast<int64_t>(tiling.block.y) >= a.rows &&
+                    std::max(reach, gate_reach) <= INT32_MAX;
+  if (lean) return run(gated_residual_lean_kernel<T, V>);
   return vector ? run(gated_residual_kernel<T, V>) : run(gated_residual_kernel<T, 1>);
 }
 

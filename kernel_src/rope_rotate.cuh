@@ -396,6 +396,11 @@ void launch_pairs(const RopeArgs& a, cudaStream_t stream, int unit_threads = kUn
   check_launch();
 }
 
+// A decode step's interleaved heads spread their units over blocks of this many threads:
+// more SMs issue a latency-bound token's loads; past decode the general kernel was faster
+// (docs/decisions.md).
+constexpr int kPairsDecodeUnitThreads = 64;
+
 // A decode step's tokens (fewer than two an SM) spread their heads over this many blocks,
 // a head a thread: more SMs issue the loads of a latency-bound token (docs/decisions.md).
 constexpr int kLeanDecodeHeadBlocks = 8;
@@ -405,10 +410,13 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   if constexpr (INTERLEAVED) {
     // Two heads per thread: LTX's q and k read their [B, S, C] fp32 tables (half the
-    // bytes it moves) once, where one head a thread read them twice (docs/decisions.md);
-    // q's head and k's, where their counts match, on the lean kernel.
+    // bytes it moves) once, where one head a thread read them twice (docs/decisions.md).
+    // A decode step's tokens (fewer than two an SM) take q's head and k's a thread on the
+    // lean kernel, where their counts match, a head's units over blocks of
+    // kPairsDecodeUnitThreads threads.
     if (vectorizable<T, C, V>(a)) {
-      if (pairs_rope<V>(a)) return launch_pairs<T, C, V>(a, stream);
+      const bool decode = !two_rows_per_sm(a.batch * a.seq, a.device.index());
+      if (decode && pairs_rope<V>(a)) return launch_pairs<T, C, V>(a, stream, kPairsDecodeUnitThreads);
       return launch_with<T, C, true, V, 2>(a, stream);
     }
     return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned
