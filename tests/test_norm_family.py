@@ -200,9 +200,9 @@ def test_adaln_takes_chunked_views(kernel, device, norm, d):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gate", ["per_batch", "per_batch_3d", "per_token"])
-# 300: the scalar path; 150 x 2 rows of 2048: the large-batch launch (one vector a thread
-# in 16 bits on CUDA)
-@pytest.mark.parametrize("s, d", [(50, 300), (150, 2048)])
+# 300: the scalar path (the looping kernel on CUDA); 150 x 2 rows of 2048 and 1 x 2 of
+# 16384 (a row over eight blocks): the lean kernel, a vector a thread
+@pytest.mark.parametrize("s, d", [(50, 300), (150, 2048), (1, 16384)])
 def test_gated_residual(kernel, device, s, d, gate, dtype):
     res, x = make((2, s, d), dtype, device), make((2, s, d), dtype, device)
     gate = make({"per_batch": (2, d), "per_batch_3d": (2, 1, d), "per_token": (2, s, d)}[gate], dtype, device)

@@ -214,7 +214,7 @@ def test_bad_input_raises_a_clear_error(kernel, device, case):
 # SM where a block holds the row (ltx_odd_tokens, small, c1000), otherwise holds the row in
 # up to four vectors a thread (ltx, c1000_many_rows, one_wide_token).
 @pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 77, 2048), (1, 3, 64), (3, 5, 1000), (2, 300, 1000),
-                                           (1, 1, 16384)],
+                                           (1, 1, 8192)],
                          ids=["ltx", "ltx_odd_tokens", "small", "c1000", "c1000_many_rows", "one_wide_token"])
 @pytest.mark.kernels_ci
 def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dtype, table_layout):
