@@ -568,8 +568,8 @@ __global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_kernel(con
 }
 
 // The gated residual's lean rows: a gate always, a vector a thread, a row of threads a row,
-// no loop or option tested at run time, 32-bit offsets (gated_residual_lean checks that they
-// fit): a latency-bound call (a decode step) pays for every instruction ahead of its loads.
+// no loop or option tested at run time, 32-bit offsets (launch_gated_residual checks that
+// they fit): a latency-bound call (a decode step) pays for every instruction ahead of its loads.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_lean_kernel(const NormParams<T, T, T> p) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -1163,7 +1163,8 @@ constexpr bool kPreloadsDecodeWeight = RESIDUAL && !MODULATE && V * sizeof(W) ==
 // were slower so (docs/decisions.md).
 constexpr int kFp32FourVecBlock = 512;
 
-// The gated residual alone: gated_residual_kernel over the rows (see row_tiling).
+// The gated residual alone: gated_residual_lean_kernel or gated_residual_kernel over the rows
+// (see row_tiling).
 template <typename T>
 void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;

@@ -306,8 +306,8 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   // Threads over the units of a head first, then one row of threads per HEADS heads (up
   // to the kernel's block bound), the heads spread over head_blocks blocks a token. Fewer
   // tokens than two per SM (decode) also spread a head's units over blocks, up to one unit
-  // a thread, while the grid has fewer blocks than two per SM: one wide head (LTX's
-  // interleaved q of 16384 channels) otherwise walks its units in one block.
+  // a thread, while the grid has fewer blocks than two per SM: one wide head (an
+  // interleaved head of 16384 channels) otherwise walks its units in one block.
   const int64_t units = (INTERLEAVED ? a.rotary_dim : a.rotary_dim / 2) / N;
   int tx = 1;
   while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
@@ -359,18 +359,20 @@ bool lean_rope(const RopeArgs& a) {
          a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0 && (a.q.heads + a.k.heads) / HEADS <= kMaxGridY;
 }
 
-// Whether rope_pairs_kernel takes an interleaved call: every channel rotating, q and k of
-// equal head counts, every offset of q, k, their outputs and the tables within 32 bits, a
-// grid within its y and z bounds (the caller checks the alignment of N-wide units).
+// Whether rope_pairs_kernel takes an interleaved call at `unit_threads` (launch_pairs):
+// every channel rotating, q and k of equal head counts, every offset of q, k, their outputs
+// and the tables within 32 bits, a grid within its y and z bounds (the caller checks the
+// alignment of N-wide units).
 template <int N>
-bool pairs_rope(const RopeArgs& a) {
+bool pairs_rope(const RopeArgs& a, int unit_threads) {
   auto fits = [&](std::initializer_list<std::pair<int64_t, int64_t>> extents) {
     int64_t last = 0;  // the largest offset: strides are non-negative
     for (const auto& [size, stride] : extents) last += (size - 1) * stride;
     return last <= INT32_MAX;
   };
   bool ok = a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.q.heads == a.k.heads && a.q.heads <= kMaxGridY &&
-            a.rotary_dim / N <= kUnitThreads * kMaxGridY && fits({{a.batch, a.table_b}, {a.seq, a.table_s}, {a.rotary_dim, 1}});
+            a.rotary_dim / N <= unit_threads * kMaxGridY &&
+            fits({{a.batch, a.table_b}, {a.seq, a.table_s}, {a.rotary_dim, 1}});
   for (const RopeTensor* t : {&a.q, &a.k}) {
     ok = ok && fits({{a.batch, t->in_b}, {a.seq, t->in_s}, {t->heads, t->in_h}, {a.head_dim, 1}}) &&
          fits({{a.batch, t->out_b}, {a.seq, t->out_s}, {t->heads, t->out_h}, {a.head_dim, 1}});
@@ -382,7 +384,7 @@ bool pairs_rope(const RopeArgs& a) {
 // further blocks past them), a token's heads over rows of threads up to kUnitThreads in all,
 // further heads over further blocks. The caller checks pairs_rope.
 template <typename T, typename C, int N>
-void launch_pairs(const RopeArgs& a, cudaStream_t stream, int unit_threads = kUnitThreads) {
+void launch_pairs(const RopeArgs& a, cudaStream_t stream, int unit_threads) {
   const int64_t units = a.rotary_dim / N;
   const int64_t tokens = a.batch * a.seq;
   if (tokens == 0 || a.q.heads == 0) return;
@@ -391,7 +393,8 @@ void launch_pairs(const RopeArgs& a, cudaStream_t stream, int unit_threads = kUn
   const int tx = static_cast<int>((units + unit_blocks - 1) / unit_blocks);
   const int64_t head_blocks = head_blocks_for(a.q.heads, kUnitThreads / tx, 1);
   const int rows = static_cast<int>((a.q.heads + head_blocks - 1) / head_blocks);
-  const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(head_blocks), static_cast<unsigned>(unit_blocks));
+  const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(head_blocks),
+                  static_cast<unsigned>(unit_blocks));
   rope_pairs_kernel<T, C, N><<<grid, dim3(tx, rows), 0, stream>>>(params_of<T, C>(a));
   check_launch();
 }
@@ -416,7 +419,9 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     // kPairsDecodeUnitThreads threads.
     if (vectorizable<T, C, V>(a)) {
       const bool decode = !two_rows_per_sm(a.batch * a.seq, a.device.index());
-      if (decode && pairs_rope<V>(a)) return launch_pairs<T, C, V>(a, stream, kPairsDecodeUnitThreads);
+      if (decode && pairs_rope<V>(a, kPairsDecodeUnitThreads)) {
+        return launch_pairs<T, C, V>(a, stream, kPairsDecodeUnitThreads);
+      }
       return launch_with<T, C, true, V, 2>(a, stream);
     }
     return launch_with<T, C, true, 2, 2>(a, stream);  // one pair per unit, unaligned

@@ -1,5 +1,6 @@
 """Independent references, computed in fp64 from the math the host libraries write."""
 
+import math
 from typing import Optional
 
 import torch
@@ -84,6 +85,15 @@ def rope_ref(x, cos, sin, interleaved):
     else:
         turned = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], -1)
     return torch.cat([rot * c + turned * s, x64[..., r:]], -1)
+
+
+def rounded_norm_atol(normed, dtype):
+    """qk_norm_rope's atol: the normed value is rounded before the rotation (as the host
+    does); where the two rotation terms cancel, ties of a pair rounded the other way show as
+    an absolute error of up to (|cos| + |sin|) ulp of |normed| <= 2 ulp of the largest (at
+    least of 4)."""
+    top = max(4.0, normed.abs().max().item())
+    return 2 * TOLERANCE[dtype]["rtol"] * 2.0 ** math.floor(math.log2(top))
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, roundings: int = 1,

@@ -401,6 +401,17 @@ def test_rope_interleaved_grads(kernel, device, dtype):
     _assert_grads_match(kernel.rope_interleaved(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_interleaved_grads_heads_over_blocks(kernel, device, dtype):
+    """25 heads of 1024 channels at one token, tables that differ within a pair: on an H100
+    the pairs kernel spreads the heads over seven blocks of four rows (three rows past the
+    last head) and a head's units over two blocks."""
+    q, k = _leaves(device, dtype, (1, 25, 1, 1024), (1, 25, 1, 1024))  # [B, H, S, D]
+    cos, sin = torch.randn(1, 1024, device=device), torch.randn(1, 1024, device=device)
+    rot = lambda x: rope_ref(x, cos, sin, interleaved=True)  # noqa: E731
+    _assert_grads_match(kernel.rope_interleaved(q, k, cos, sin), lambda q, k: (rot(q), rot(k)), [q, k], dtype)
+
+
 def test_rope_refuses_table_grads(kernel, device):
     q, k = _leaves(device, torch.float32, (1, 4, 8), (1, 4, 8))
     cos = torch.randn(4, 8, device=device, requires_grad=True)

@@ -200,9 +200,10 @@ def test_adaln_takes_chunked_views(kernel, device, norm, d):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gate", ["per_batch", "per_batch_3d", "per_token"])
-# 300: the scalar path (the looping kernel on CUDA); 150 x 2 rows of 2048 and 1 x 2 of
-# 16384 (a row over eight blocks): the lean kernel, a vector a thread
-@pytest.mark.parametrize("s, d", [(50, 300), (150, 2048), (1, 16384)])
+# On CUDA: 302, the looping kernel element by element (302 takes no 16-byte vectors); 150 x 2
+# rows of 2048 and 1 x 2 of 16384 (a row over 8 blocks, 16 in fp32): the lean kernel, a vector
+# a thread.
+@pytest.mark.parametrize("s, d", [(50, 302), (150, 2048), (1, 16384)])
 def test_gated_residual(kernel, device, s, d, gate, dtype):
     res, x = make((2, s, d), dtype, device), make((2, s, d), dtype, device)
     gate = make({"per_batch": (2, d), "per_batch_3d": (2, 1, d), "per_token": (2, s, d)}[gate], dtype, device)
@@ -210,6 +211,20 @@ def test_gated_residual(kernel, device, s, d, gate, dtype):
     expected = gated_residual_ref(res, x, gate)
     # fp32 fma then one rounding vs the exact value rounded: ties can differ by one ulp.
     assert_close(h, expected, dtype)
+
+
+def test_gated_residual_past_one_pass_of_the_grid(kernel, device):
+    """65537 rows of 2048: past the 65535 rows of 256-thread blocks one pass of the CUDA grid
+    covers, so the looping kernel (16-byte vectors) takes them; the rows of its second pass
+    checked."""
+    if device == "cpu":
+        pytest.skip("the CUDA launch's grid bound; the CPU twin has none")
+    rows, d = 65537, 2048
+    res, x = make((1, rows, d), torch.bfloat16, device), make((1, rows, d), torch.bfloat16, device)
+    gate = make((1, 1, d), torch.bfloat16, device)
+    h = kernel.gated_residual(res, x, gate)
+    for part in (slice(0, 2), slice(rows - 3, rows)):  # a full fp64 reference would take 2 GB
+        assert_close(h[:, part], gated_residual_ref(res[:, part], x[:, part], gate), torch.bfloat16)
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])

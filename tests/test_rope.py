@@ -2,12 +2,10 @@
 rotate_half (GQA, transposed views, partial rotary) and diffusers' interleaved form
 (LTX-Video [B, S, C] with fp32 [B, S, C] tables, FLUX per head with fp32 [S, D] tables)."""
 
-import math
-
 import pytest
 import torch
 
-from reference import TOLERANCE, assert_close
+from reference import TOLERANCE, assert_close, rounded_norm_atol
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -125,8 +123,10 @@ def test_rotate_half_shared_tables_and_in_place(kernel, device, dtype):
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("table_dtype", ["fp32", "model"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 5, 64), (2, 3, 18), (1, 1, 16384)],
-                         ids=["ltx", "small", "odd", "one_wide_token"])
+# On CUDA, below two tokens an SM (an H100: 264) ltx, small and one_wide_token take the
+# pairs kernel, ltx_prefill rope_kernel at two heads a thread, odd the unaligned path.
+@pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (2, 300, 2048), (1, 5, 64), (2, 3, 18), (1, 1, 16384)],
+                         ids=["ltx", "ltx_prefill", "small", "odd", "one_wide_token"])
 def test_interleaved_ltx_layout(kernel, device, batch, seq, c, dtype, table_dtype):
     """LTX: [B, S, C] q and k with [B, S, C] tables whose first C % 6 channels are padding."""
     tdtype = torch.float32 if table_dtype == "fp32" else dtype
@@ -153,6 +153,17 @@ def test_interleaved_flux_layout(kernel, device, sequence_dim, dtype):
     c, sn = (cos[:, None], sin[:, None]) if sequence_dim == 1 else (cos, sin)
     assert_close(q_out, interleaved_ref(q, c, sn), dtype, roundings=2)
     assert_close(k_out, interleaved_ref(k, c, sn), dtype, roundings=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interleaved_unequal_heads_at_decode(kernel, device, dtype):
+    """GQA heads (8 q, 2 k) at one token: on CUDA rope_kernel, as the pairs kernel takes
+    equal head counts only."""
+    q, k = make((1, 8, 1, 128), dtype, device), make((1, 2, 1, 128), dtype, device)
+    cos, sin = tables(1, 1, 128, torch.float32, device, interleaved=True)
+    q_out, k_out = kernel.rope_interleaved(q, k, cos[0], sin[0])
+    assert_close(q_out, interleaved_ref(q, cos[0], sin[0]), dtype, roundings=2)
+    assert_close(k_out, interleaved_ref(k, cos[0], sin[0]), dtype, roundings=2)
 
 
 def test_inplace_and_out_together_are_refused(kernel, device):
@@ -210,12 +221,15 @@ def test_bad_input_raises_a_clear_error(kernel, device, case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 # ltx_odd_tokens: 77 tokens, 154 q and k rows: a launch that packs four rows a block ends
 # with a part-full block.
-# The CUDA kernel preloads the weight and tables at one vector a thread below two rows per
-# SM where a block holds the row (ltx_odd_tokens, small, c1000), otherwise holds the row in
-# up to four vectors a thread (ltx, c1000_many_rows, one_wide_token).
+# On CUDA (an H100: 132 SMs) below two rows an SM, where a block holds the row, one vector a
+# thread with the weight and tables preloaded (ltx_odd_tokens, small, c1000, part_full); else
+# up to four vectors a thread (ltx, c1000_many_rows, one_wide_token, part_full_many_rows).
+# part_full*: in 16 bits rows of 64 threads, four to a 256-thread block, the last block part
+# full (154 and 602 rows).
 @pytest.mark.parametrize("batch, seq, c", [(2, 77, 2048), (1, 77, 2048), (1, 3, 64), (3, 5, 1000), (2, 300, 1000),
-                                           (1, 1, 8192)],
-                         ids=["ltx", "ltx_odd_tokens", "small", "c1000", "c1000_many_rows", "one_wide_token"])
+                                           (1, 1, 8192), (1, 77, 512), (1, 301, 2048)],
+                         ids=["ltx", "ltx_odd_tokens", "small", "c1000", "c1000_many_rows", "one_wide_token",
+                              "part_full", "part_full_many_rows"])
 @pytest.mark.kernels_ci
 def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dtype, table_layout):
     """norm_q / norm_k (torch.nn.RMSNorm over C, eps 1e-5, output rounded), then the
@@ -232,14 +246,6 @@ def test_qk_norm_rope_matches_the_ltx_prologue(kernel, device, batch, seq, c, dt
     for x, w, out in ((q, wq, q_out), (k, wk, k_out)):
         normed = torch.nn.functional.rms_norm(x.double(), (c,), w.double(), 1e-5).to(dtype)
         assert_close(out, interleaved_ref(normed, cos, sin), dtype, roundings=3, atol=rounded_norm_atol(normed, dtype))
-
-
-def rounded_norm_atol(normed, dtype):
-    """The normed value is rounded before the rotation (as the host does); where the two
-    rotation terms cancel, a tie rounded the other way shows as an absolute error of one
-    ulp of |normed|: at most the ulp of the largest (at least that of 4)."""
-    top = max(4.0, normed.abs().max().item())
-    return TOLERANCE[dtype]["rtol"] * 2.0 ** math.floor(math.log2(top))
 
 
 def test_qk_norm_rope_from_a_fused_qkv_projection_in_place(kernel, device):
@@ -283,9 +289,10 @@ def test_empty_inputs(kernel, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_qk_norm_rope_unaligned_rows(kernel, device, dtype):
+@pytest.mark.parametrize("b, s", [(2, 5), (2, 150)], ids=["decode", "many_rows"])  # CUDA: preloading or not
+def test_qk_norm_rope_unaligned_rows(kernel, device, dtype, b, s):
     """An odd row stride (slice of a [B, S, C + 1] tensor): rows are not even 4-byte aligned."""
-    b, s, c = 2, 5, 64
+    c = 64
     q = make((b, s, c + 1), dtype, device)[..., :c]
     k = make((b, s, c + 1), dtype, device)[..., 1:]
     w = make((c,), dtype, device)

@@ -1,11 +1,16 @@
-// Candidate launches of rotate-half RoPE beside the production one, built on
-// rope_rotate.cuh (the kernel, helpers and launch rope.cu runs), as a torch op library:
+// Candidate launches of RoPE beside the production one, built on rope_rotate.cuh (the
+// kernels, helpers and launch rope.cu runs), as a torch op library:
 //   torch.ops.rope_variants.run(q, k, cos, sin, q_out, k_out, variant, head_blocks)
-// q and k are [B, H, S, D] (views), cos and sin [S, D] or [B, S, D] in q's dtype; forward
-// only. Variant 0 is `launch` (what the package runs); 9 its kernel at a given head_blocks;
-// the others run `variant_kernel`, a
-// lean whole-groups kernel: aligned 8- or 16-byte units, head counts that are multiples of
-// HEADS, every channel rotating, no pass-through. rope_variants.py builds and times them.
+// rotate-half: q and k are [B, H, S, D] (views), cos and sin [S, D] or [B, S, D] in q's
+// dtype. Variant 0 is `launch` (what the package runs); 9 its kernel at a given
+// head_blocks; the others run `variant_kernel`, a lean whole-groups kernel: aligned 8- or
+// 16-byte units, head counts that are multiples of HEADS, every channel rotating, no
+// pass-through.
+//   torch.ops.rope_variants.run_interleaved(q, k, cos, sin, q_out, k_out, variant, unit_threads)
+// interleaved: LTX-Video's [B, S, C] q and k, tables [B, S, C] (fp32 or q's dtype). Variant
+// 0 is `launch`; 10 rope_pairs_kernel with a head's units over blocks of unit_threads
+// threads; 11 rope_kernel at two heads a thread.
+// Forward only; rope_variants.py builds and times them.
 #include "rope_rotate.cuh"
 
 #include <torch/library.h>
@@ -104,25 +109,56 @@ void run_variant(const RopeArgs& a, cudaStream_t stream, int64_t variant, int he
   }
 }
 
+template <typename T, typename C>
+void run_interleaved_variant(const RopeArgs& a, cudaStream_t stream, int64_t variant, int unit_threads) {
+  constexpr int V = kVec16<T>;
+  switch (variant) {
+    case 0: return launch<T, C, true>(a, stream);
+    case 10:
+      TORCH_CHECK((unit_threads > 0 && unit_threads <= kUnitThreads && vectorizable<T, C, V>(a) &&
+                   pairs_rope<V>(a, unit_threads)),
+                  "rope_variants: the pairs kernel does not take these shapes");
+      return launch_pairs<T, C, V>(a, stream, unit_threads);
+    case 11:
+      TORCH_CHECK((vectorizable<T, C, V>(a)), "rope_variants: 16-byte aligned rows only");
+      return launch_with<T, C, true, V, 2>(a, stream);
+    default: TORCH_CHECK(false, "rope_variants: no interleaved variant ", variant);
+  }
+}
+
 // rope_apply (rope.h) checks and lays out the arguments as the package's op does, then
-// hands them here with the variant the call asked for.
+// hands them here with the variant the call asked for (`blocks`: head_blocks, or the
+// interleaved variants' unit_threads).
 struct VariantBackend {
   static constexpr c10::DeviceType device = c10::kCUDA;
   static inline int64_t variant = 0;
-  static inline int head_blocks = 1;
+  static inline int blocks = 1;
   static void run(const RopeArgs& a) {
-    TORCH_CHECK(!a.interleaved && !a.table_fp32, "rope_variants: rotate-half, tables in q's dtype");
+    TORCH_CHECK(a.interleaved || !a.table_fp32, "rope_variants: rotate-half takes tables in q's dtype");
     const c10::cuda::CUDAGuard guard(a.device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
-    LTX_DISPATCH_FLOAT_TYPES(a.dtype, "rope_variants", [&] { run_variant<scalar_t>(a, stream, variant, head_blocks); });
+    LTX_DISPATCH_FLOAT_TYPES(a.dtype, "rope_variants", [&] {
+      using T = scalar_t;
+      if (!a.interleaved) return run_variant<T>(a, stream, variant, blocks);
+      if (a.table_fp32) return run_interleaved_variant<T, float>(a, stream, variant, blocks);
+      run_interleaved_variant<T, T>(a, stream, variant, blocks);
+    });
   }
 };
 
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, at::Tensor q_out,
          at::Tensor k_out, int64_t variant, int64_t head_blocks) {
   VariantBackend::variant = variant;
-  VariantBackend::head_blocks = static_cast<int>(head_blocks);
+  VariantBackend::blocks = static_cast<int>(head_blocks);
   rope_apply<VariantBackend>(q_out, k_out, q, k, cos, sin, /*interleaved=*/false, /*sequence_dim=*/2,
+                             /*inverse=*/false);
+}
+
+void run_interleaved(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor q_out, at::Tensor k_out, int64_t variant, int64_t unit_threads) {
+  VariantBackend::variant = variant;
+  VariantBackend::blocks = static_cast<int>(unit_threads);
+  rope_apply<VariantBackend>(q_out, k_out, q, k, cos, sin, /*interleaved=*/true, /*sequence_dim=*/1,
                              /*inverse=*/false);
 }
 
@@ -132,5 +168,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const 
 TORCH_LIBRARY(rope_variants, m) {
   m.def("run(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor(a!) q_out, Tensor(b!) k_out, int variant, "
         "int head_blocks) -> ()");
+  m.def("run_interleaved(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor(a!) q_out, Tensor(b!) k_out, "
+        "int variant, int unit_threads) -> ()");
 }
-TORCH_LIBRARY_IMPL(rope_variants, CUDA, m) { m.impl("run", &ltx::rope_variants::run); }
+TORCH_LIBRARY_IMPL(rope_variants, CUDA, m) {
+  m.impl("run", &ltx::rope_variants::run);
+  m.impl("run_interleaved", &ltx::rope_variants::run_interleaved);
+}
