@@ -16,7 +16,8 @@
 // kMultiRow (weighted RMSNorm rows of a warp or less, 16-bit) is multi_row_kernel at
 // per_thread rows a lane group in blocks of `block` threads; -B
 // (plain rows) is rms_norm_row_kernel on blocks of B threads, a row each. Otherwise
-// `norm_kernel` with `cached` 16-byte vectors a thread (1, 2 or 4), each row over the power of two of threads that
+// `norm_kernel` with `cached` 16-byte vectors a thread (1, 2 or 4; AdaLN's rows also 8), each row over the power
+// of two of threads that
 // covers it at `per_thread` vectors a thread (0: `cached`), and rows sharing blocks of
 // `block` threads (0: a block a row, or 128 threads for rows of a warp or less). The kernels'
 // register bounds are production's (bound_threads, bound_min_blocks): a variant tunes the
@@ -51,7 +52,7 @@ void launch_variant(const NormArgs& a, cudaStream_t stream, int per_thread, int 
   launch_norm_rows(norm_kernel<T, W, O, V, CACHED, KIND, RESIDUAL, MODULATE>, a, cfg, stream);
 }
 
-constexpr int kLean = 8;
+constexpr int kLean = 100;
 
 // norm_lean_kernel at `per` vectors a thread, rows sharing blocks of `block` threads (0: a
 // block a row).
@@ -72,7 +73,7 @@ void launch_lean_variant(const NormArgs& a, cudaStream_t stream, int per, int bl
   TORCH_CHECK(false, "norm_variants: lean rows are 16-bit, their weight and output of the input's dtype");
 }
 
-constexpr int kMultiRow = 9;
+constexpr int kMultiRow = 101;
 
 // RMSNorm rows of a warp or less with a weight (plain or after a residual add, in the
 // Llama order), ROWS consecutive rows a lane group in blocks of `blockDim.x` threads: the
@@ -160,7 +161,10 @@ void launch_modulated(const NormArgs& a, cudaStream_t stream, int cached, int pe
     case 1: return launch_variant<T, T, T, 1, RESIDUAL, KIND, true>(a, stream, per_thread, block);
     case 2: return launch_variant<T, T, T, 2, RESIDUAL, KIND, true>(a, stream, per_thread, block);
     case 4: return launch_variant<T, T, T, 4, RESIDUAL, KIND, true>(a, stream, per_thread, block);
-    default: TORCH_CHECK(false, "norm_variants: AdaLN rows at 0, 1, 2, 4 or kLean, not ", cached);
+    // a decode row of up to 8 x 512 vectors held in registers (fp32 rows past 2048 vectors
+    // re-read their tail at four)
+    case 8: return launch_variant<T, T, T, 8, RESIDUAL, KIND, true>(a, stream, per_thread, block);
+    default: TORCH_CHECK(false, "norm_variants: AdaLN rows at 0, 1, 2, 4, 8 or kLean, not ", cached);
   }
 }
 

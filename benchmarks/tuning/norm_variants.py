@@ -27,6 +27,11 @@ elements (`--shapes narrow`: rows of 128 and 256 elements, 1024 to 65536 of them
 launches and the lean kernel's, lP.B: P vectors a thread, rows sharing blocks of B threads
 (0: a block a row).
 
+`--shapes fp32-decode` times AdaLN's fp32 decode rows past 2048 vectors (1x16384, 1x8192,
+8x16384; the four AdaLN ops, `--ops` to choose) the same way: production, norm_kernel at
+four vectors a thread over 512 threads (the tail re-read) and at eight (`8/0/0`: the row
+held in registers).
+
 `--shapes fp8` (compute capability 8.9 or newer) times rms_norm_fp8's rows (FP8 out, an fp32
 scale a row; its argument layout, the fp32 weight, is the package op's) at the model shapes,
 beside the package's op as users call it, torch.compile of the PyTorch code (bench_fp8's) and
@@ -70,6 +75,8 @@ SHAPES = {"fp32": [(5376, 2048, torch.float32, False), (8192, 4096, torch.float3
           "lean": [(rows, d, torch.bfloat16, True) for rows, d in
                    ((1, 256), (1, 2048), (1, 4096), (1, 16384), (256, 2048), (4096, 256), (4096, 512),
                     (65536, 256), (16384, 512))],
+          # AdaLN's fp32 decode rows past 2048 vectors (four a thread of 512 re-read the tail)
+          "fp32-decode": [(rows, d, torch.float32, True) for rows, d in ((1, 16384), (1, 8192), (8, 16384))],
           # rows of 128 and 256 elements at batches from 1024 to 65536 (the lean set's ops)
           "narrow": [(rows, d, torch.bfloat16, True) for d in (128, 256) for rows in (1024, 4096, 16384, 65536)],
           # rms_norm_fp8: LTX-Video's tokens (batch 2 at 49 frames; diffusers' norm has no
@@ -87,6 +94,8 @@ DEFAULT_VARIANTS = "0/0,2/0,2/512,2/1024,4/0,4/256,4/512,4/1024,1/0,1/256"
 # of 32 threads or fewer (4/8/...) share blocks of 128 whatever the block asked.
 # The lean kernel's layouts beside production and norm_kernel's two- and four-vector launches.
 LEAN_VARIANTS = "0/0,2/0,4/0,l1.0,l2.0,l4.0,l1.128"
+FP32_DECODE_VARIANTS = "0/0,4/1/512,8/0/0"
+FP32_DECODE_OPS = ("adaln_rms", "adaln_layer", "gated_residual_adaln_rms", "gated_residual_adaln_layer")
 LEAN_OPS = ("rms_norm", "fused_add_rms_norm", "adaln_rms", "adaln_layer", "gated_residual_adaln_rms",
             "gated_residual_adaln_layer")
 FP8_VARIANTS = "0/0,2/0,2/256,2/512,4/0,4/128,4/256,4/512,1/0,4/8/0"
@@ -103,9 +112,11 @@ def reference(ltx, weighted):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", help=f"default {DEFAULT_VARIANTS}; with --shapes fp8 {FP8_VARIANTS}")
-    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "gaps", "residual-gaps", "lean", "narrow", "fp8", "all"],
+    parser.add_argument("--shapes", choices=["fp32", "bf16", "residual", "gaps", "residual-gaps", "lean", "narrow", "fp32-decode", "fp8",
+                                 "all"],
                         default="fp32")
-    parser.add_argument("--ops", help=f"--shapes lean: comma-separated, of {','.join(LEAN_OPS)} (default all)")
+    parser.add_argument("--ops", help="--shapes lean, narrow or fp32-decode: comma-separated, of "
+                        f"{','.join(LEAN_OPS)} (default: all; fp32-decode: the AdaLN ops)")
     parser.add_argument("--reps", type=int, default=2, help="timings per variant (alternating order)")
     args = parser.parse_args()
     load(SOURCE)
@@ -124,6 +135,10 @@ def main():
         ops = args.ops.split(",") if args.ops else LEAN_OPS
         return lean_rows(ltx, ops, SHAPES[args.shapes], (args.variants or LEAN_VARIANTS).split(","), bandwidth,
                          args.reps)
+    if args.shapes == "fp32-decode":
+        ops = args.ops.split(",") if args.ops else FP32_DECODE_OPS
+        return lean_rows(ltx, ops, SHAPES[args.shapes], (args.variants or FP32_DECODE_VARIANTS).split(","),
+                         bandwidth, args.reps)
     variants = (args.variants or DEFAULT_VARIANTS).split(",")
     residual_rows = args.shapes in ("residual", "residual-gaps")
     liger = bench_ops.load_libraries(on_cuda=True).attr("liger", "LigerFusedAddRMSNormFunction")
@@ -176,7 +191,7 @@ def main():
                                max_calls=MAX_CALLS)
 
 
-LEAN, MULTI_ROW = 8, 9  # norm_variants.cu's kLean, kMultiRow
+LEAN, MULTI_ROW = 100, 101  # norm_variants.cu's kLean, kMultiRow
 
 
 def parse_variant(spec):
@@ -196,7 +211,8 @@ def parse_variant(spec):
 
 
 def lean_rows(ltx, ops, shapes, variants, bandwidth, reps):
-    """The --shapes lean (or narrow) rows, `shapes`: each op in bf16 at each launch in `variants`, against compile
+    """The --shapes lean, narrow or fp32-decode rows, `shapes`: each op in the shape's dtype at each launch in
+    `variants`, against compile
     of the PyTorch code (ltx.reference's; the Llama order for the weighted norms) and Liger's
     RMSNorm and fused add + RMSNorm. A variant's output (each output) is compared with
     production's: over 4x its max error against fp64 it is marked and not timed."""
@@ -248,7 +264,8 @@ def lean_rows(ltx, ops, shapes, variants, bandwidth, reps):
             first = inputs()
             # every operand read once, the outputs written (the residual ops' sum too)
             outputs = 2 if op.startswith(("fused", "gated")) else 1
-            nbytes = sum(t.numel() * t.element_size() for t in first) + outputs * first[0].numel() * 2
+            out_bytes = first[0].numel() * first[0].element_size()
+            nbytes = sum(t.numel() * t.element_size() for t in first) + outputs * out_bytes
             copies = harness.copies_for_cold_l2(input_bytes(first), cap=SMALL_SETS)
             sets = [first] + [inputs() for _ in range(copies - 1)]
             compiled = bench_ops.compiled(eager, "inductor")  # a graph per shape, checked compiled
