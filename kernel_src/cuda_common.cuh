@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -267,6 +268,18 @@ struct IntDivider {
   }
   __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, magic) + n) >> shift; }
 };
+
+// Whether every element offset of a view (the sum over its dims of index * stride) fits in
+// 32 bits, for kernels that index in int: the largest is each dim's last index (strides are
+// non-negative). A view with an empty dim has no offsets; its launch returns first.
+struct Extent {
+  int64_t size, stride;
+};
+inline bool offsets_fit_int32(std::initializer_list<Extent> dims) {
+  int64_t last = 0;
+  for (const Extent& d : dims) last += (d.size - 1) * d.stride;
+  return last <= INT32_MAX;
+}
 
 // Launch shape of a row-reduction kernel: threads_per_row is a power of two covering the
 // row with at most `per_thread` vectors each (up to max_threads). Rows of more than a warp

@@ -1178,12 +1178,12 @@ void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
     check_launch();
   };
   // The lean kernel where the grid's rows of threads cover the rows in one pass, and every
-  // offset fits in 32 bits (strides are non-negative).
+  // offset fits in 32 bits.
   const int64_t batches = (a.rows + a.tokens - 1) / a.tokens;
-  const int64_t reach = (a.rows - 1) * std::max({a.input_stride, a.residual_stride, a.residual_out_stride}) + a.cols;
-  const int64_t gate_reach = (batches - 1) * a.gate.batch_stride + (a.tokens - 1) * a.gate.token_stride + a.cols;
+  const int64_t row_stride = std::max({a.input_stride, a.residual_stride, a.residual_out_stride});
   const bool lean = vector && a.gate.ptr != nullptr && tiling.grid.y * static_cast<int64_t>(tiling.block.y) >= a.rows &&
-                    std::max(reach, gate_reach) <= INT32_MAX;
+                    offsets_fit_int32({{a.rows, row_stride}, {a.cols, 1}}) &&
+                    offsets_fit_int32({{batches, a.gate.batch_stride}, {a.tokens, a.gate.token_stride}, {a.cols, 1}});
   if (lean) return run(gated_residual_lean_kernel<T, V>);
   return vector ? run(gated_residual_kernel<T, V>) : run(gated_residual_kernel<T, 1>);
 }

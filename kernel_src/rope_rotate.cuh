@@ -365,17 +365,12 @@ bool lean_rope(const RopeArgs& a) {
 // alignment of N-wide units).
 template <int N>
 bool pairs_rope(const RopeArgs& a, int unit_threads) {
-  auto fits = [&](std::initializer_list<std::pair<int64_t, int64_t>> extents) {
-    int64_t last = 0;  // the largest offset: strides are non-negative
-    for (const auto& [size, stride] : extents) last += (size - 1) * stride;
-    return last <= INT32_MAX;
-  };
   bool ok = a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.q.heads == a.k.heads && a.q.heads <= kMaxGridY &&
             a.rotary_dim / N <= unit_threads * kMaxGridY &&
-            fits({{a.batch, a.table_b}, {a.seq, a.table_s}, {a.rotary_dim, 1}});
+            offsets_fit_int32({{a.batch, a.table_b}, {a.seq, a.table_s}, {a.rotary_dim, 1}});
   for (const RopeTensor* t : {&a.q, &a.k}) {
-    ok = ok && fits({{a.batch, t->in_b}, {a.seq, t->in_s}, {t->heads, t->in_h}, {a.head_dim, 1}}) &&
-         fits({{a.batch, t->out_b}, {a.seq, t->out_s}, {t->heads, t->out_h}, {a.head_dim, 1}});
+    ok = ok && offsets_fit_int32({{a.batch, t->in_b}, {a.seq, t->in_s}, {t->heads, t->in_h}, {a.head_dim, 1}}) &&
+         offsets_fit_int32({{a.batch, t->out_b}, {a.seq, t->out_s}, {t->heads, t->out_h}, {a.head_dim, 1}});
   }
   return ok;
 }

@@ -106,19 +106,27 @@ def main():
         # each on fresh copies: an in-place variant (and Liger) overwrites its inputs
         reference = ours(0, 1)(tuple(t.clone() for t in first))()
         print(f"\nq[{b},{hq},{s},{d}] k[{b},{hkv},{s},{d}] {str(dtype)[6:]}, {nbytes / 1e6:.1f} MB")
-        skipped = {}
-        for name, factory in impls[1 if liger else 0:]:
-            try:
-                out = factory(tuple(t.clone() for t in first))()
-            except RuntimeError as error:
-                skipped[name] = str(error).splitlines()[0]
-                continue
-            if not all(torch.equal(o, r) for o, r in zip(out, reference)):
-                skipped[name] = "WRONG RESULT (not bit-equal to production)"
+        skipped = untimed(impls[1 if liger else 0:], first, reference)
         if harness.l2_resident(len(sets), bench_ops.size_of(first)):
             shared["outputs"] = (torch.empty_like(first[0]), torch.empty_like(first[1]))
         harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="liger", width=42,
                                max_calls=MAX_CALLS)
+
+
+def untimed(candidates, first, reference):
+    """Name -> why, for the candidates that refuse the shape or whose outputs are not
+    bit-equal to production's `reference`; each runs on fresh copies of the input set
+    `first` (an in-place candidate overwrites its inputs)."""
+    skipped = {}
+    for name, factory in candidates:
+        try:
+            out = factory(tuple(t.clone() for t in first))()
+        except RuntimeError as error:
+            skipped[name] = str(error).splitlines()[0]
+            continue
+        if not all(torch.equal(o, r) for o, r in zip(out, reference)):
+            skipped[name] = "WRONG RESULT (not bit-equal to production)"
+    return skipped
 
 
 def main_interleaved(args):
@@ -159,15 +167,7 @@ def main_interleaved(args):
             variant, unit_threads = (int(x) for x in spec.split("/"))
             impls.append((f"{spec} {NAMES.get(variant, '')}", ours(variant, unit_threads)))
         reference = tuple(t.clone() for t in ours(0, 0)(first)())
-        skipped = {}
-        for name, factory in impls[1:]:
-            try:
-                out = factory(first)()
-            except RuntimeError as error:
-                skipped[name] = str(error).splitlines()[0]
-                continue
-            if not all(torch.equal(o, r) for o, r in zip(out, reference)):
-                skipped[name] = "WRONG RESULT (not bit-equal to production)"
+        skipped = untimed(impls[1:], first, reference)
         print(f"\nLTX q/k [1,{tokens},{width}] bf16, fp32 tables, {nbytes / 1e6:.2f} MB")
         harness.time_and_print(impls, sets, nbytes, bandwidth, args.reps, skipped, peer="compile", width=30,
                                max_calls=MAX_CALLS)
