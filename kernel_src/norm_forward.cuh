@@ -143,7 +143,9 @@ __device__ __forceinline__ void normed_y(float (&f)[VEC], const float (&wf)[VEC]
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     f[j] = (f[j] - mean) * rstd;
-    if (cast) f[j] = to_float(from_float<T>(f[j]));
+    // AdaLN's rows have no weight to round before: the flag's predicated rounding would
+    // still take two issue slots an element.
+    if (!MODULATE && cast) f[j] = to_float(from_float<T>(f[j]));
     if (weighted) f[j] *= weight_offset + wf[j];
     if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
   }
@@ -1197,6 +1199,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   // bit (the launch fixes each row's kernel and summation order).
   using LO = std::conditional_t<kFp8Out<O>, float, O>;
   TORCH_INTERNAL_ASSERT(!kFp8Out<O> || a.stats == nullptr, "norm: the FP8 output has no statistics");
+  TORCH_INTERNAL_ASSERT(!MODULATE || !a.cast_before_weight, "norm: AdaLN rounds before no weight");
   const bool vector = vectorizable<T, W, LO, V>(a);
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
