@@ -431,9 +431,13 @@ __device__ __forceinline__ float virtual_warps_sum(const float (&acc)[VIRT]) {
   return w[0];
 }
 
-template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE>
+// RMSNorm's weight and the Llama order's rounding before it are template flags (WEIGHTED,
+// CAST): as run-time flags their predicated multiply-add and rounding took issue slots in
+// every element of the amax and write loops.
+template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE, bool WEIGHTED, bool CAST>
 __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
     norm_fp8_warp_row_kernel(const NormParams<T, W, Fp8E4m3> p) {
+  static_assert(!(MODULATE && WEIGHTED) && (!CAST || (!MODULATE && sizeof(T) == 2)));
   if constexpr (!kFp8Arch) {
     __trap();
     return;
@@ -450,7 +454,6 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
   const T* x = p.input + row * p.input_stride;
   const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
   const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
-  const bool weighted = !MODULATE && p.weight != nullptr;
   // Thread v * 32 + lane's vector k.
   const auto index = [&](int v, int k) { return v * 32 + lane + k * kThreadsPerRow; };
   Vec<T, VEC> cached[VIRT][CACHED];
@@ -488,9 +491,9 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
   const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
     float wf[VEC], scf[VEC], shf[VEC];
     to_floats(v, f);
-    if (weighted) to_floats(load_vec<W, VEC>(p.weight, i), wf);
+    if constexpr (WEIGHTED) to_floats(load_vec<W, VEC>(p.weight, i), wf);
     if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
-    normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, p.cast_before_weight, weighted, p.weight_offset);
+    normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, CAST, WEIGHTED, p.weight_offset);
   };
   float amax = 0.f;
   if (p.static_scale == nullptr) {
@@ -1135,9 +1138,21 @@ template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE>
 void launch_fp8_warp_rows(const NormArgs& a, cudaStream_t stream) {
   constexpr int rows_per_block = kFp8WarpRowBlock / 32;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
-  norm_fp8_warp_row_kernel<T, W, VEC, KIND, MODULATE>
-      <<<blocks, kFp8WarpRowBlock, 0, stream>>>(make_params<T, W, Fp8E4m3>(a));
-  check_launch();
+  const auto run = [&](auto kernel) {
+    kernel<<<blocks, kFp8WarpRowBlock, 0, stream>>>(make_params<T, W, Fp8E4m3>(a));
+    check_launch();
+  };
+  if constexpr (!MODULATE) {
+    // fp32 rows round to themselves: CAST changes nothing there.
+    constexpr bool kRounds = sizeof(T) == 2;
+    const bool cast = kRounds && a.cast_before_weight;
+    if (a.weight != nullptr) {
+      if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, kRounds>);
+      return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, false>);
+    }
+    if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, kRounds>);
+  }
+  run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, MODULATE, false, false>);
 }
 
 // Rows of at most this many vectors (512 elements in 16 bits) take the lean kernel at any
