@@ -550,45 +550,28 @@ NormParams<T, W, O> make_params(const NormArgs& a) {
 // divided), so that a few wide rows spread over every SM rather than walking one block
 // each (one row of 16384 held one SM). The sum rounds as norm_kernel's.
 constexpr int kGatedResidualBlock = 256;
-template <typename T, int VEC>
+// ONE_PASS: the grid's rows of threads cover the rows, offsets in 32 bits (launch_gated_residual
+// checks that they fit), no loop: a latency-bound call (a decode step) pays for every
+// instruction ahead of its loads. Otherwise 64-bit offsets and passes over the rows.
+template <typename T, int VEC, bool ONE_PASS>
 __global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_kernel(const NormParams<T, T, T> p) {
+  using Index = std::conditional_t<ONE_PASS, int, int64_t>;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= p.cols / VEC) return;
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < p.rows; r += row_step) {
-    Vec<T, VEC> v = load_vec<T, VEC>(p.input + r * p.input_stride, i);
-    const Vec<T, VEC> rv = load_vec<T, VEC>(p.residual + r * p.residual_stride, i);
-    if (p.gate != nullptr) {
-      const uint32_t batch = p.tokens.div(static_cast<uint32_t>(r));
-      const uint32_t token = static_cast<uint32_t>(r) - batch * p.tokens.divisor;
-      const Vec<T, VEC> g = load_vec<T, VEC>(p.gate + batch * p.gate_batch + token * p.gate_token, i);
+  const Index row_step = static_cast<Index>(gridDim.y) * blockDim.y;
+  for (Index r = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y; r < p.rows; r += row_step) {
+    const uint32_t batch = p.tokens.div(static_cast<uint32_t>(r));
+    const uint32_t token = static_cast<uint32_t>(r) - batch * p.tokens.divisor;
+    Vec<T, VEC> v = load_vec<T, VEC>(p.input + r * static_cast<Index>(p.input_stride), i);
+    const Vec<T, VEC> rv = load_vec<T, VEC>(p.residual + r * static_cast<Index>(p.residual_stride), i);
+    const Vec<T, VEC> g = load_vec<T, VEC>(
+        p.gate + static_cast<Index>(batch) * static_cast<Index>(p.gate_batch) +
+            static_cast<Index>(token) * static_cast<Index>(p.gate_token), i);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
-    }
-    store_vec<T, VEC>(p.residual_out + r * p.residual_out_stride, i, v);
+    for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
+    store_vec<T, VEC>(p.residual_out + r * static_cast<Index>(p.residual_out_stride), i, v);
+    if constexpr (ONE_PASS) break;
   }
-}
-
-// The gated residual's lean rows: a gate always, a vector a thread, a row of threads a row,
-// no loop or option tested at run time, 32-bit offsets (launch_gated_residual checks that
-// they fit): a latency-bound call (a decode step) pays for every instruction ahead of its loads.
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_lean_kernel(const NormParams<T, T, T> p) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  const int r = blockIdx.y * blockDim.y + threadIdx.y;
-  if (i >= p.cols / VEC || r >= p.rows) return;
-  const int batch = static_cast<int>(p.tokens.div(static_cast<uint32_t>(r)));
-  const int token = r - batch * static_cast<int>(p.tokens.divisor);
-  Vec<T, VEC> v = load_vec<T, VEC>(p.input + r * static_cast<int>(p.input_stride), i);
-  const Vec<T, VEC> rv = load_vec<T, VEC>(p.residual + r * static_cast<int>(p.residual_stride), i);
-  const Vec<T, VEC> g = load_vec<T, VEC>(
-      p.gate + batch * static_cast<int>(p.gate_batch) + token * static_cast<int>(p.gate_token), i);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
-  store_vec<T, VEC>(p.residual_out + r * static_cast<int>(p.residual_out_stride), i, v);
 }
 
 // Whether every pointer and stride allows VEC-wide accesses.
@@ -1180,8 +1163,7 @@ constexpr bool kPreloadsDecodeWeight = RESIDUAL && !MODULATE && V * sizeof(W) ==
 // were slower so (docs/decisions.md).
 constexpr int kFp32FourVecBlock = 512;
 
-// The gated residual alone: gated_residual_lean_kernel or gated_residual_kernel over the rows
-// (see row_tiling).
+// The gated residual alone: gated_residual_kernel over the rows (see row_tiling).
 template <typename T>
 void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
@@ -1194,15 +1176,14 @@ void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
     kernel<<<tiling.grid, tiling.block, 0, stream>>>(make_params<T, T, T>(a));
     check_launch();
   };
-  // The lean kernel where the grid's rows of threads cover the rows in one pass, and every
-  // offset fits in 32 bits.
+  // One pass where the grid's rows of threads cover the rows and every offset fits in 32 bits.
   const int64_t batches = (a.rows + a.tokens - 1) / a.tokens;
   const int64_t row_stride = std::max({a.input_stride, a.residual_stride, a.residual_out_stride});
-  const bool lean = vector && a.gate.ptr != nullptr && tiling.grid.y * static_cast<int64_t>(tiling.block.y) >= a.rows &&
-                    offsets_fit_int32({{a.rows, row_stride}, {a.cols, 1}}) &&
-                    offsets_fit_int32({{batches, a.gate.batch_stride}, {a.tokens, a.gate.token_stride}, {a.cols, 1}});
-  if (lean) return run(gated_residual_lean_kernel<T, V>);
-  return vector ? run(gated_residual_kernel<T, V>) : run(gated_residual_kernel<T, 1>);
+  const bool one_pass = vector && tiling.grid.y * static_cast<int64_t>(tiling.block.y) >= a.rows &&
+                        offsets_fit_int32({{a.rows, row_stride}, {a.cols, 1}}) &&
+                        offsets_fit_int32({{batches, a.gate.batch_stride}, {a.tokens, a.gate.token_stride}, {a.cols, 1}});
+  if (one_pass) return run(gated_residual_kernel<T, V, true>);
+  return vector ? run(gated_residual_kernel<T, V, false>) : run(gated_residual_kernel<T, 1, false>);
 }
 
 // The production launch of norm_kernel's instantiation <KIND, RESIDUAL, MODULATE>,

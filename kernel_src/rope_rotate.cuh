@@ -301,6 +301,14 @@ bool vectorizable(const RopeArgs& a) {
   return ok;
 }
 
+// The tokens (B * S) of a launch's grid x, within its bound; 0 where there is nothing to do.
+inline int64_t grid_tokens(const RopeArgs& a) {
+  const int64_t tokens = a.batch * a.seq;
+  if (a.q.heads + a.k.heads == 0) return 0;
+  TORCH_CHECK(tokens <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", tokens);
+  return tokens;
+}
+
 template <typename T, typename C, bool INTERLEAVED, int N, int HEADS, bool WHOLE_GROUPS = false>
 void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   // Threads over the units of a head first, then one row of threads per HEADS heads (up
@@ -312,14 +320,13 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
   int tx = 1;
   while (tx < units && 2 * tx <= std::min(kUnitThreads, max_block(WHOLE_GROUPS))) tx *= 2;
   const int64_t heads = a.q.heads + a.k.heads;
-  const int64_t blocks = a.batch * a.seq;
-  if (blocks == 0 || heads == 0) return;
+  const int64_t blocks = grid_tokens(a);
+  if (blocks == 0) return;
   const int64_t groups = (heads + HEADS - 1) / HEADS;
   const int64_t max_rows = max_block(WHOLE_GROUPS) / tx;
   head_blocks = static_cast<int>(head_blocks_for(groups, max_rows, head_blocks));
   const int64_t groups_per_block = (groups + head_blocks - 1) / head_blocks;
   const int ty = static_cast<int>(std::min<int64_t>(groups_per_block, max_rows));
-  TORCH_CHECK(blocks <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", blocks);
   const RopeParams<T, C> p = params_of<T, C>(a);
   constexpr bool kAligned = N > (INTERLEAVED ? 2 : 1);
   int unit_blocks = 1;
@@ -339,9 +346,8 @@ template <typename T, typename C, int N, int HEADS>
 void launch_lean(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
   const int tx = static_cast<int>(a.rotary_dim / 2 / N);
   const int64_t groups = (a.q.heads + a.k.heads) / HEADS;
-  const int64_t tokens = a.batch * a.seq;
-  if (tokens == 0 || groups == 0) return;
-  TORCH_CHECK(tokens <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", tokens);
+  const int64_t tokens = grid_tokens(a);
+  if (tokens == 0) return;
   // lean_rope keeps the groups within the grid's y bound: a group a row, one pass
   const int64_t blocks = head_blocks_for(groups, kWholeGroupsBlock / tx, head_blocks);
   const int rows = static_cast<int>((groups + blocks - 1) / blocks);
@@ -381,9 +387,8 @@ bool pairs_rope(const RopeArgs& a, int unit_threads) {
 template <typename T, typename C, int N>
 void launch_pairs(const RopeArgs& a, cudaStream_t stream, int unit_threads) {
   const int64_t units = a.rotary_dim / N;
-  const int64_t tokens = a.batch * a.seq;
-  if (tokens == 0 || a.q.heads == 0) return;
-  TORCH_CHECK(tokens <= INT32_MAX, "rope: at most 2^31 - 1 tokens (B * S) on CUDA, got ", tokens);
+  const int64_t tokens = grid_tokens(a);
+  if (tokens == 0) return;
   const int64_t unit_blocks = (units + unit_threads - 1) / unit_threads;
   const int tx = static_cast<int>((units + unit_blocks - 1) / unit_blocks);
   const int64_t head_blocks = head_blocks_for(a.q.heads, kUnitThreads / tx, 1);
