@@ -13,9 +13,12 @@
 namespace ltx {
 namespace {
 
-constexpr int kCachedVecs = 4;
-// The input's rows fit 64 registers at 1024 threads; GELU rows keep fp32 values (twice a
-// 16-bit vector's registers) and up's, at 512 threads (128 registers).
+// Vectors a thread keeps. The input's rows keep four 16-byte vectors, in 64 registers at 1024
+// threads. GELU rows keep fp32 values (twice a 16-bit vector's registers): two vectors' worth
+// where nothing else is kept, for more warps an SM to hide the loads (40 registers against 60
+// at four); with up's vectors as well four, as two would not fit a block more an SM.
+template <Fp8Source S, bool HAS_UP>
+constexpr int kCachedVecs = S != Fp8Source::kInput && !HAS_UP ? 2 : 4;
 template <Fp8Source S>
 constexpr int kMaxBlock = S == Fp8Source::kInput ? 1024 : 512;
 
@@ -68,9 +71,9 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
   // The input's vectors, converted again for the write; a GELU's values, computed once.
   constexpr bool kKeepsInput = S == Fp8Source::kInput;
   using Kept = std::conditional_t<kKeepsInput, Vec<T, VEC>, Floats<VEC>>;
-  Kept kept[kCachedVecs];
+  Kept kept[kCachedVecs<S, HAS_UP>];
 #pragma unroll
-  for (int k = 0; k < kCachedVecs; ++k) {
+  for (int k = 0; k < kCachedVecs<S, HAS_UP>; ++k) {
     const int i = t + k * threads_per_row;
     if (active && i < p.nvec) {
       if constexpr (kKeepsInput) kept[k] = load_vec<T, VEC>(x, i);
@@ -89,14 +92,14 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
   if (p.static_scale == nullptr) {
     float f[VEC];
 #pragma unroll
-    for (int k = 0; k < kCachedVecs; ++k) {
+    for (int k = 0; k < kCachedVecs<S, HAS_UP>; ++k) {
       const int i = t + k * threads_per_row;
       if (active && i < p.nvec) {
         kept_values(kept[k], f);
         amax = fp8_amax_of(amax, f);
       }
     }
-    for (int i = t + kCachedVecs * threads_per_row; active && i < p.nvec; i += threads_per_row) {
+    for (int i = t + kCachedVecs<S, HAS_UP> * threads_per_row; active && i < p.nvec; i += threads_per_row) {
       row_values<T, VEC, S, HAS_UP>(x, up, i, f);
       amax = fp8_amax_of(amax, f);
     }
@@ -107,14 +110,14 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
   uint8_t* q = p.out + row * p.cols;
   float f[VEC];
 #pragma unroll
-  for (int k = 0; k < kCachedVecs; ++k) {
+  for (int k = 0; k < kCachedVecs<S, HAS_UP>; ++k) {
     const int i = t + k * threads_per_row;
     if (i < p.nvec) {
       kept_values(kept[k], f);
       store_fp8<VEC>(q, i, f, divisor);
     }
   }
-  for (int i = t + kCachedVecs * threads_per_row; i < p.nvec; i += threads_per_row) {
+  for (int i = t + kCachedVecs<S, HAS_UP> * threads_per_row; i < p.nvec; i += threads_per_row) {
     row_values<T, VEC, S, HAS_UP>(x, up, i, f);
     store_fp8<VEC>(q, i, f, divisor);
   }
@@ -126,7 +129,7 @@ void launch(const Fp8Args& a, cudaStream_t stream) {
   const bool vector = a.cols % V == 0 && a.input_stride % V == 0 && aligned_to(a.input, 16) &&
                       (!HAS_UP || (a.up_stride % V == 0 && aligned_to(a.up, 16)));
   const int vec = vector ? V : 1;
-  const RowLaunch cfg = row_launch(a.cols / vec, kCachedVecs, kMaxBlock<S>);
+  const RowLaunch cfg = row_launch(a.cols / vec, kCachedVecs<S, HAS_UP>, kMaxBlock<S>);
   const int rows_per_block = cfg.block / cfg.threads_per_row;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   TORCH_CHECK(blocks <= INT32_MAX, "quantize_fp8: too many rows for one launch (", a.rows, ")");
