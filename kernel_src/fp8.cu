@@ -13,6 +13,8 @@
 namespace ltx {
 namespace {
 
+// Vectors a thread keeps from the amax to the write (the kernel's KEEP): four, or two for GELU
+// rows without up's where 512 threads hold the whole row that way (launch_keeping).
 constexpr int kCachedVecs = 4;
 // The input's rows fit 64 registers at 1024 threads; GELU rows keep fp32 values (twice a
 // 16-bit vector's registers) and up's, at 512 threads (128 registers).
@@ -51,7 +53,7 @@ __device__ __forceinline__ void row_values(const T* x, const T* up, int i, float
   }
 }
 
-template <typename T, int VEC, Fp8Source S, bool HAS_UP>
+template <typename T, int VEC, Fp8Source S, bool HAS_UP, int KEEP>
 __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Params<T> p, int row_shift) {
   if constexpr (!kFp8Arch) {
     __trap();
@@ -68,9 +70,9 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
   // The input's vectors, converted again for the write; a GELU's values, computed once.
   constexpr bool kKeepsInput = S == Fp8Source::kInput;
   using Kept = std::conditional_t<kKeepsInput, Vec<T, VEC>, Floats<VEC>>;
-  Kept kept[kCachedVecs];
+  Kept kept[KEEP];
 #pragma unroll
-  for (int k = 0; k < kCachedVecs; ++k) {
+  for (int k = 0; k < KEEP; ++k) {
     const int i = t + k * threads_per_row;
     if (active && i < p.nvec) {
       if constexpr (kKeepsInput) kept[k] = load_vec<T, VEC>(x, i);
@@ -89,14 +91,14 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
   if (p.static_scale == nullptr) {
     float f[VEC];
 #pragma unroll
-    for (int k = 0; k < kCachedVecs; ++k) {
+    for (int k = 0; k < KEEP; ++k) {
       const int i = t + k * threads_per_row;
       if (active && i < p.nvec) {
         kept_values(kept[k], f);
         amax = fp8_amax_of(amax, f);
       }
     }
-    for (int i = t + kCachedVecs * threads_per_row; active && i < p.nvec; i += threads_per_row) {
+    for (int i = t + KEEP * threads_per_row; active && i < p.nvec; i += threads_per_row) {
       row_values<T, VEC, S, HAS_UP>(x, up, i, f);
       amax = fp8_amax_of(amax, f);
     }
@@ -107,17 +109,39 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
   uint8_t* q = p.out + row * p.cols;
   float f[VEC];
 #pragma unroll
-  for (int k = 0; k < kCachedVecs; ++k) {
+  for (int k = 0; k < KEEP; ++k) {
     const int i = t + k * threads_per_row;
     if (i < p.nvec) {
       kept_values(kept[k], f);
       store_fp8<VEC>(q, i, f, divisor);
     }
   }
-  for (int i = t + kCachedVecs * threads_per_row; i < p.nvec; i += threads_per_row) {
+  for (int i = t + KEEP * threads_per_row; i < p.nvec; i += threads_per_row) {
     row_values<T, VEC, S, HAS_UP>(x, up, i, f);
     store_fp8<VEC>(q, i, f, divisor);
   }
+}
+
+template <typename T, int VEC, Fp8Source S, bool HAS_UP, int KEEP>
+void launch_rows(const Fp8Params<T>& p, cudaStream_t stream) {
+  const RowLaunch cfg = row_launch(p.nvec, KEEP, kMaxBlock<S>);
+  const int rows_per_block = cfg.block / cfg.threads_per_row;
+  const int64_t blocks = (p.rows + rows_per_block - 1) / rows_per_block;
+  TORCH_CHECK(blocks <= INT32_MAX, "quantize_fp8: too many rows for one launch (", p.rows, ")");
+  const int shift = __builtin_ctz(cfg.threads_per_row);
+  quantize_fp8_kernel<T, VEC, S, HAS_UP, KEEP><<<static_cast<unsigned>(blocks), cfg.block, 0, stream>>>(p, shift);
+  check_launch();
+}
+
+// GELU rows without up's keep two vectors' fp32 values a thread where 512 threads hold the
+// whole row that way: 40 registers against 60 at four, more warps an SM to hide the loads.
+// Rows with up's keep four (at two, their registers would fit no block more an SM).
+template <typename T, int VEC, Fp8Source S, bool HAS_UP>
+void launch_keeping(const Fp8Params<T>& p, cudaStream_t stream) {
+  if constexpr (S != Fp8Source::kInput && !HAS_UP) {
+    if (p.nvec <= 2 * kMaxBlock<S>) return launch_rows<T, VEC, S, HAS_UP, 2>(p, stream);
+  }
+  launch_rows<T, VEC, S, HAS_UP, kCachedVecs>(p, stream);
 }
 
 template <typename T, Fp8Source S, bool HAS_UP>
@@ -126,19 +150,13 @@ void launch(const Fp8Args& a, cudaStream_t stream) {
   const bool vector = a.cols % V == 0 && a.input_stride % V == 0 && aligned_to(a.input, 16) &&
                       (!HAS_UP || (a.up_stride % V == 0 && aligned_to(a.up, 16)));
   const int vec = vector ? V : 1;
-  const RowLaunch cfg = row_launch(a.cols / vec, kCachedVecs, kMaxBlock<S>);
-  const int rows_per_block = cfg.block / cfg.threads_per_row;
-  const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
-  TORCH_CHECK(blocks <= INT32_MAX, "quantize_fp8: too many rows for one launch (", a.rows, ")");
   const Fp8Params<T> p{static_cast<const T*>(a.input), static_cast<const T*>(a.up), a.out, a.scales,
                        a.static_scale, a.rows, a.input_stride, a.up_stride, a.cols, static_cast<int>(a.cols / vec)};
-  const int shift = __builtin_ctz(cfg.threads_per_row);
   if (vector) {
-    quantize_fp8_kernel<T, V, S, HAS_UP><<<static_cast<unsigned>(blocks), cfg.block, 0, stream>>>(p, shift);
+    launch_keeping<T, V, S, HAS_UP>(p, stream);
   } else {
-    quantize_fp8_kernel<T, 1, S, HAS_UP><<<static_cast<unsigned>(blocks), cfg.block, 0, stream>>>(p, shift);
+    launch_keeping<T, 1, S, HAS_UP>(p, stream);
   }
-  check_launch();
 }
 
 template <typename T, Fp8Source S>
