@@ -9,7 +9,7 @@ frames, 2 x 8064 at 161): bf16 ``F.linear`` against ``torch._scaled_mm`` on FP8 
 row-wise scales, standard and fast accumulation, and `FP8Linear` (its input's quantize
 included), each output's relative L2 from the bf16 GEMM beside it.
 
-    python -m benchmarks.ops.bench_fp8 [--reps 3] [--skip-gemms]
+    python -m benchmarks.ops.bench_fp8 [--reps 3] [--skip-gemms] [--ours-only]
 """
 
 import argparse
@@ -74,6 +74,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3, help="timings per implementation (alternating order)")
     parser.add_argument("--skip-gemms", action="store_true", help="only the producers")
+    parser.add_argument("--ours-only", action="store_true",
+                        help="time ltx's producers alone (no PyTorch peers): two builds' A/B, each in its own tree")
     args = parser.parse_args()
     if torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("FP8 needs a GPU of compute capability 8.9 or newer")
@@ -111,9 +113,11 @@ def main():
         compiled = bench_ops.compiled(eager, "inductor")
         impls = [("compile", lambda t, f=compiled: (lambda: f(*t))), ("eager", lambda t, f=eager: (lambda: f(*t))),
                  ("ltx", lambda t: (lambda: ours(*t)))]
+        if args.ours_only:
+            impls = impls[2:]
         q, s = ours(*first)[-2:]
         notes = {}
-        for name, factory in impls[:2]:
+        for name, factory in impls[:-1]:
             pq, ps = factory(first)()[-2:]
             same = torch.equal(pq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ps, s)
             notes[name] = "  same bits as ltx" if same else \
