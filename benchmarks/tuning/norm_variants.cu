@@ -1,6 +1,6 @@
 // Candidate launches of the norm family's rows (RMSNorm plain or after a residual add as
 // fused_add_rms_norm, a weight of the input's dtype or none; AdaLN after a gated residual or
-// not, in bf16), and of rms_norm_fp8's rows (FP8 out, an fp32 scale a row), beside the
+// not, in bf16 or fp32), and of rms_norm_fp8's rows (FP8 out, an fp32 scale a row), beside the
 // production one, built on norm_forward.cuh (the kernels and
 // launch code norm_forward.cu runs), as a torch op library:
 //   torch.ops.norm_variants.run(x, weight, out, eps, cast_before_weight, cached, per_thread, block)
@@ -162,8 +162,13 @@ void launch_modulated(const NormArgs& a, cudaStream_t stream, int cached, int pe
     case 2: return launch_variant<T, T, T, 2, RESIDUAL, KIND, true>(a, stream, per_thread, block);
     case 4: return launch_variant<T, T, T, 4, RESIDUAL, KIND, true>(a, stream, per_thread, block);
     // a decode row of up to 8 x 512 vectors held in registers (fp32 rows past 2048 vectors
-    // re-read their tail at four)
-    case 8: return launch_variant<T, T, T, 8, RESIDUAL, KIND, true>(a, stream, per_thread, block);
+    // re-read their tail at four); fp32 LayerNorm after the residual add spills there
+    case 8:
+      if constexpr (sizeof(T) == 4 && RESIDUAL && KIND == NormKind::kLayer) {
+        TORCH_CHECK(false, "norm_variants: fp32 LayerNorm rows after a residual add spill at 8 vectors a thread");
+      } else {
+        return launch_variant<T, T, T, 8, RESIDUAL, KIND, true>(a, stream, per_thread, block);
+      }
     default: TORCH_CHECK(false, "norm_variants: AdaLN rows at 0, 1, 2, 4, 8 or kLean, not ", cached);
   }
 }
@@ -204,16 +209,20 @@ struct VariantBackend {
     TORCH_CHECK(!a.weight_fp32 && !a.out_fp32, "norm_variants: a weight and output of the input's dtype");
     const c10::cuda::CUDAGuard guard(a.device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device.index());
-    if (a.scale.ptr != nullptr) {  // AdaLN: bf16 rows only (the harness's build time)
-      TORCH_CHECK(a.dtype == at::kBFloat16 && a.normed, "norm_variants: AdaLN rows in bf16");
-      using T = c10::BFloat16;
-      const bool residual = a.residual != nullptr;
-      if (a.kind == NormKind::kLayer) {
-        return residual ? launch_modulated<T, NormKind::kLayer, true>(a, stream, cached, per_thread, block)
-                        : launch_modulated<T, NormKind::kLayer, false>(a, stream, cached, per_thread, block);
-      }
-      return residual ? launch_modulated<T, NormKind::kRms, true>(a, stream, cached, per_thread, block)
-                      : launch_modulated<T, NormKind::kRms, false>(a, stream, cached, per_thread, block);
+    if (a.scale.ptr != nullptr) {  // AdaLN: bf16 and fp32 rows only (the harness's build time)
+      TORCH_CHECK((a.dtype == at::kBFloat16 || a.dtype == at::kFloat) && a.normed,
+                  "norm_variants: AdaLN rows in bf16 or fp32");
+      const auto modulated = [&](auto type) {
+        using T = decltype(type);
+        const bool residual = a.residual != nullptr;
+        if (a.kind == NormKind::kLayer) {
+          return residual ? launch_modulated<T, NormKind::kLayer, true>(a, stream, cached, per_thread, block)
+                          : launch_modulated<T, NormKind::kLayer, false>(a, stream, cached, per_thread, block);
+        }
+        return residual ? launch_modulated<T, NormKind::kRms, true>(a, stream, cached, per_thread, block)
+                        : launch_modulated<T, NormKind::kRms, false>(a, stream, cached, per_thread, block);
+      };
+      return a.dtype == at::kFloat ? modulated(float{}) : modulated(c10::BFloat16{});
     }
     LTX_DISPATCH_FLOAT_TYPES(a.dtype, "norm_variants", [&] {
       using T = scalar_t;
