@@ -8,13 +8,14 @@
 #include "fp8.h"
 #include "fp8_cuda.cuh"
 
+#include <algorithm>
 #include <type_traits>
 
 namespace ltx {
 namespace {
 
-// Vectors a thread keeps from the amax to the write (the kernel's KEEP): four, or two for GELU
-// rows without up's where 512 threads hold the whole row that way (launch_keeping).
+// Vectors a thread keeps from the amax to the write (the kernel's KEEP): four, or fewer for
+// GELU rows without up's (launch_keeping).
 constexpr int kCachedVecs = 4;
 // The input's rows fit 64 registers at 1024 threads; GELU rows keep fp32 values (twice a
 // 16-bit vector's registers) and up's, at 512 threads (128 registers).
@@ -133,13 +134,16 @@ void launch_rows(const Fp8Params<T>& p, cudaStream_t stream) {
   check_launch();
 }
 
-// GELU rows without up's keep two vectors' fp32 values a thread where 512 threads hold the
-// whole row that way: 40 registers against 60 at four, more warps an SM to hide the loads.
-// Rows with up's keep four (at two, their registers would fit no block more an SM).
+// GELU rows without up's keep at most 16 fp32 values a thread (16-bit rows: two vectors, 40
+// registers against 60 at four, more warps an SM to hide the loads) where 512 threads hold
+// the whole row that way. Rows with up's keep four vectors (at two, their registers would fit
+// no block more an SM).
+constexpr int kGeluKeptFloats = 16;
 template <typename T, int VEC, Fp8Source S, bool HAS_UP>
 void launch_keeping(const Fp8Params<T>& p, cudaStream_t stream) {
-  if constexpr (S != Fp8Source::kInput && !HAS_UP) {
-    if (p.nvec <= 2 * kMaxBlock<S>) return launch_rows<T, VEC, S, HAS_UP, 2>(p, stream);
+  constexpr int kKeep = std::min(kCachedVecs, kGeluKeptFloats / VEC);
+  if constexpr (S != Fp8Source::kInput && !HAS_UP && kKeep < kCachedVecs) {
+    if (p.nvec <= kKeep * kMaxBlock<S>) return launch_rows<T, VEC, S, HAS_UP, kKeep>(p, stream);
   }
   launch_rows<T, VEC, S, HAS_UP, kCachedVecs>(p, stream);
 }
