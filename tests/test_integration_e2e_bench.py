@@ -76,6 +76,33 @@ def test_tiny_ltx_with_fused_qkv_projections(tmp_path):
     assert kernelized and all(r["error"] is None and r["max_abs_diff"] < 5e-2 for r in kernelized), kernelized
 
 
+def test_a_run_cut_short_leaves_its_results_so_far(tmp_path, monkeypatch):
+    """The JSON is written after each result, marked partial until the run ends: a run
+    stopped by a time limit (a device call's) keeps what it measured."""
+    bench = load_benchmark()
+    out = tmp_path / "e2e.json"
+    real_unkernelize, calls = bench.unkernelize, []
+
+    def stop_at_the_second_configuration(model):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a timeout's signal amounts to here
+        real_unkernelize(model)
+
+    monkeypatch.setattr(bench, "unkernelize", stop_at_the_second_configuration)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--tiny", "--device", "cpu", "--models", "ltx", "--configs", "eager,eager+kernels",
+                    "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["partial"] is True
+    assert [r["config"] for r in report["results"]] == ["eager"] and report["results"][0]["ms"] > 0
+    monkeypatch.setattr(bench, "unkernelize", real_unkernelize)
+    bench.main(["--tiny", "--device", "cpu", "--models", "ltx", "--configs", "eager,eager+kernels",
+                "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["partial"] is False and [r["config"] for r in report["results"]] == ["eager", "eager+kernels"]
+
+
 def test_models_are_chosen_by_name(tmp_path):
     """--models ltx13b runs the 13B's workloads under its label (with --tiny, the tiny model
     on the same path); an unknown name is refused, not matched by a substring."""

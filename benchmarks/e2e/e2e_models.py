@@ -237,9 +237,11 @@ def clock_summary(lines: List[str]) -> Optional[dict]:
 
 
 def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options, profiled: Workload,
-                    profile_top, clocks=False) -> Tuple[List[Result], Dict[str, List[dict]], Dict[str, Optional[dict]]]:
+                    profile_top, clocks=False, on_result: Optional[Callable[[Result], None]] = None
+                    ) -> Tuple[List[Result], Dict[str, List[dict]], Dict[str, Optional[dict]]]:
     """Each configuration's times, and (profile_top > 0) the profile_kernels of one call of
-    ``profiled`` in it and its GPU timeline, both keyed "workload / config"."""
+    ``profiled`` in it and its GPU timeline, both keyed "workload / config"; ``on_result``
+    sees each result as it is made."""
     results, eager_outputs, profiles, timelines = [], {}, {}, {}
     reference_config: Dict[str, str] = {}  # workload -> the configuration of eager_outputs' output
     for config in configs:
@@ -285,6 +287,8 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                 l2 = f", L2 {100 * result.rel_l2:.2f}% from {reference}" if config in FP8_CONFIGS else ""
                 print(f"  {workload.name} / {config}: {result.ms:.2f} ms (host {result.host_ms:.2f} ms){l2}", flush=True)
             results.append(result)
+            if on_result:
+                on_result(result)
         del runner, target
     unkernelize(model)
     return results, profiles, timelines
@@ -521,6 +525,22 @@ def main(argv=None):
 
     diffusers_logging.set_verbosity_error()  # its note on casting with .to(dtype) is about fp32 modules it has none of
     results: List[Result] = []
+    made: List[Result] = []  # every result so far, for the partial report
+
+    def report(partial: bool) -> dict:
+        return dict(environment=environment(device), tiny=args.tiny, fuse_qkv=args.fuse_qkv,
+                    heavy_tails=args.heavy_tails, timing=dict(warmup=timing[0], repeats=timing[1]),
+                    compile=compile_options, partial=partial,
+                    results=[asdict(r) for r in (made if partial else results)], profiles=profiles,
+                    timelines=timelines)
+
+    def keep(result: Result) -> None:
+        # a run cut short (a device call's time limit) still leaves its results so far
+        made.append(result)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report(partial=True), indent=2))
+
     profiles: Dict[str, List[dict]] = {}  # "workload / config" -> its profile
     timelines: Dict[str, Optional[dict]] = {}  # "workload / config" -> its GPU timeline (None on CPU)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -537,7 +557,7 @@ def main(argv=None):
         print(f"{label} transformer: {parameters(ltx)} parameters", flush=True)
         model_results, model_profiles, model_timelines = benchmark_model(
             ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options, workloads[0],
-            args.profile_top, args.clocks)
+            args.profile_top, args.clocks, keep)
         results += model_results
         profiles.update(model_profiles)
         timelines.update(model_timelines)
@@ -551,7 +571,7 @@ def main(argv=None):
         # the decode step profiled: where the per-layer small kernels show
         model_results, model_profiles, model_timelines = benchmark_model(
             qwen, workloads, kernelize_transformers, configs, device, timing, compile_options, workloads[-1],
-            args.profile_top, args.clocks)
+            args.profile_top, args.clocks, keep)
         results += model_results
         profiles.update(model_profiles)
         timelines.update(model_timelines)
@@ -581,10 +601,7 @@ def main(argv=None):
                   f"{line['span_ms']:.2f} ms span from the first kernel to the last (gaps {line['gaps_ms']:.2f} ms)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = dict(environment=env, tiny=args.tiny, fuse_qkv=args.fuse_qkv, heavy_tails=args.heavy_tails,
-                      timing=dict(warmup=timing[0], repeats=timing[1]), compile=compile_options,
-                      results=[asdict(r) for r in results], profiles=profiles, timelines=timelines)
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps(report(partial=False), indent=2))
         print(f"\njson: {args.json}")
         plot(results, configs, args.json.with_suffix(".png"))
     return results
