@@ -525,13 +525,13 @@ def main(argv=None):
 
     diffusers_logging.set_verbosity_error()  # its note on casting with .to(dtype) is about fp32 modules it has none of
     results: List[Result] = []
-    made: List[Result] = []  # every result so far, for the partial report
+    made: List[Result] = []  # every result so far, in order (the report's)
 
     def report(partial: bool) -> dict:
         return dict(environment=environment(device), tiny=args.tiny, fuse_qkv=args.fuse_qkv,
                     heavy_tails=args.heavy_tails, timing=dict(warmup=timing[0], repeats=timing[1]),
                     compile=compile_options, partial=partial,
-                    results=[asdict(r) for r in (made if partial else results)], profiles=profiles,
+                    results=[asdict(r) for r in made], profiles=profiles,
                     timelines=timelines)
 
     def keep(result: Result) -> None:
