@@ -211,9 +211,20 @@ struct Add {
 };
 
 // op over aligned groups of `width` lanes (a power of two <= 32); every lane gets the result.
-template <class Op = Add>
+// UNROLLED: the five steps of a warp unrolled, those past the width skipped (the same order):
+// a width known only at run time then costs no loop counter and branch a step, which a row
+// of a warp or less pays on its critical path; in norm_kernel and the backward the unrolled
+// steps spill, so the loop stays the default.
+template <class Op = Add, bool UNROLLED = false>
 __device__ __forceinline__ float group_reduce(float v, int width, Op op = {}) {
-  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if constexpr (UNROLLED) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      if (offset < width) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+  } else {
+    for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
   return v;
 }
 

@@ -673,17 +673,6 @@ void launch_norm_rows(void (*kernel)(NormParams<T, W, O>, int), const NormArgs& 
 // themselves, each element written by the thread that read it, after it (lean_rows keeps out
 // off the weight).
 constexpr int kLeanThreads = 512;
-// group_sum unrolled over a warp's five steps, those past the width skipped (the same order):
-// a width known only at run time costs no loop counter and branch a step, which a row of a
-// warp or less pays on its critical path. (In group_reduce itself the unrolled steps spill
-// in norm_kernel and the backward.)
-__device__ __forceinline__ float lean_group_sum(float v, int width) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    if (offset < width) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  }
-  return v;
-}
 template <typename T, int VEC, int PER, bool BLOCK_ROWS, NormKind KIND, bool RESIDUAL, bool MODULATE, bool WEIGHTED,
           bool CAST>
 __global__ void __launch_bounds__(kLeanThreads)
@@ -752,7 +741,7 @@ __global__ void __launch_bounds__(kLeanThreads)
     }
   };
   if constexpr (RESIDUAL && !kLayer) store_sums();
-  const auto reduce = [&](float acc, float* slots) { return BLOCK_ROWS ? block_sum(acc, slots) : lean_group_sum(acc, threads); };
+  const auto reduce = [&](float acc, float* slots) { return BLOCK_ROWS ? block_sum(acc, slots) : group_reduce<Add, true>(acc, threads); };
   float acc = 0.f;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
@@ -1182,6 +1171,7 @@ void launch_gated_residual(const NormArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / (vector ? V : 1);
   if (a.rows == 0 || nvec == 0) return;
   TORCH_CHECK(nvec <= INT32_MAX, "gated_residual: rows of at most 2^31 - 1 elements on CUDA, got ", a.cols);
+  TORCH_INTERNAL_ASSERT(a.gate.ptr != nullptr, "gated_residual: the kernel reads a gate");
   const RowTiling tiling = row_tiling(a.rows, nvec, kGatedResidualBlock);
   const auto run = [&](auto kernel) {
     kernel<<<tiling.grid, tiling.block, 0, stream>>>(make_params<T, T, T>(a));

@@ -524,19 +524,18 @@ def main(argv=None):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     diffusers_logging.set_verbosity_error()  # its note on casting with .to(dtype) is about fp32 modules it has none of
-    results: List[Result] = []
-    made: List[Result] = []  # every result so far, in order (the report's)
+    results: List[Result] = []  # every result so far, in order
 
     def report(partial: bool) -> dict:
         return dict(environment=environment(device), tiny=args.tiny, fuse_qkv=args.fuse_qkv,
                     heavy_tails=args.heavy_tails, timing=dict(warmup=timing[0], repeats=timing[1]),
                     compile=compile_options, partial=partial,
-                    results=[asdict(r) for r in made], profiles=profiles,
+                    results=[asdict(r) for r in results], profiles=profiles,
                     timelines=timelines)
 
     def keep(result: Result) -> None:
         # a run cut short (a device call's time limit) still leaves its results so far
-        made.append(result)
+        results.append(result)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report(partial=True), indent=2))
@@ -555,10 +554,9 @@ def main(argv=None):
             ltx.fuse_qkv_projections()
         workloads = ltx_workloads(ltx, device, args.tiny, videos, args.heavy_tails, label)
         print(f"{label} transformer: {parameters(ltx)} parameters", flush=True)
-        model_results, model_profiles, model_timelines = benchmark_model(
+        _, model_profiles, model_timelines = benchmark_model(
             ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options, workloads[0],
             args.profile_top, args.clocks, keep)
-        results += model_results
         profiles.update(model_profiles)
         timelines.update(model_timelines)
         del ltx, workloads
@@ -569,10 +567,9 @@ def main(argv=None):
         print(f"Qwen3: {parameters(qwen)} parameters", flush=True)
         workloads = qwen3_workloads(qwen, device, args.tiny)
         # the decode step profiled: where the per-layer small kernels show
-        model_results, model_profiles, model_timelines = benchmark_model(
+        _, model_profiles, model_timelines = benchmark_model(
             qwen, workloads, kernelize_transformers, configs, device, timing, compile_options, workloads[-1],
             args.profile_top, args.clocks, keep)
-        results += model_results
         profiles.update(model_profiles)
         timelines.update(model_timelines)
         del qwen, workloads
