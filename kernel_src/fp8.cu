@@ -108,19 +108,25 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
       row_fp8_divisor(amax, threads_per_row, scratch, p.static_scale, p.scales, row, active && t == 0);
   if (!active) return;
   uint8_t* q = p.out + row * p.cols;
-  float f[VEC];
+  // 16-bit rows of 16-byte vectors (the models') split the write by the quotient rule; fp32
+  // GELU and unaligned rows spill so.
+  constexpr bool kSplitRule = sizeof(T) == 2 && VEC * sizeof(T) == 16;
+  with_quotient_rule<kSplitRule>(divisor, [&](auto rule) {
+    constexpr Fp8Rule M = decltype(rule)::value;
+    float f[VEC];
 #pragma unroll
-  for (int k = 0; k < KEEP; ++k) {
-    const int i = t + k * threads_per_row;
-    if (i < p.nvec) {
-      kept_values(kept[k], f);
-      store_fp8<VEC>(q, i, f, divisor);
+    for (int k = 0; k < KEEP; ++k) {
+      const int i = t + k * threads_per_row;
+      if (i < p.nvec) {
+        kept_values(kept[k], f);
+        store_fp8<VEC, M>(q, i, f, divisor);
+      }
     }
-  }
-  for (int i = t + KEEP * threads_per_row; i < p.nvec; i += threads_per_row) {
-    row_values<T, VEC, S, HAS_UP>(x, up, i, f);
-    store_fp8<VEC>(q, i, f, divisor);
-  }
+    for (int i = t + KEEP * threads_per_row; i < p.nvec; i += threads_per_row) {
+      row_values<T, VEC, S, HAS_UP>(x, up, i, f);
+      store_fp8<VEC, M>(q, i, f, divisor);
+    }
+  });
 }
 
 template <typename T, int VEC, Fp8Source S, bool HAS_UP, int KEEP>
