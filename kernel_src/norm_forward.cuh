@@ -211,10 +211,14 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // reduction. Loaded in the write phase, each weight load waits on the previous store (the
   // output may alias the weight): four L2 round trips after the barrier on sm_90
   // (docs/decisions.md).
+  // FP8 AdaLN rows at four vectors preload their scale and shift too: their 512-thread
+  // kernel holds one block an SM at up to 128 registers, and the amax pass otherwise waits
+  // on four loads of them in turn after the reductions.
   constexpr bool kPreload =
       CACHED == 1 ||
       (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) || (kWeighted && VEC * sizeof(W) == 16))) ||
-      (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16);
+      (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16) ||
+      (CACHED == kCachedVecs && MODULATE && kFp8Out<O>);
   constexpr int kPre = kPreload ? CACHED : 1;
   Vec<W, VEC> pre_w[kPre];
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
