@@ -38,20 +38,26 @@ struct Floats {
   float f[VEC];
 };
 
-// Vector i of the row's fp32 values: the input's, or (gelu(x) [* up]) as activation.cu
-// computes them before its rounding.
+// A vector's fp32 values from its loaded x (and up's): the input's, or (gelu(x) [* up]) as
+// activation.cu computes them before its rounding.
 template <typename T, int VEC, Fp8Source S, bool HAS_UP>
-__device__ __forceinline__ void row_values(const T* x, const T* up, int i, float (&f)[VEC]) {
-  to_floats(load_vec<T, VEC>(x, i), f);
+__device__ __forceinline__ void vector_values(const Vec<T, VEC>& xv, const Vec<T, VEC>& uv, float (&f)[VEC]) {
+  to_floats(xv, f);
   if constexpr (S != Fp8Source::kInput) {
     float u[VEC];
-    if constexpr (HAS_UP) to_floats(load_vec<T, VEC>(up, i), u);
+    if constexpr (HAS_UP) to_floats(uv, u);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float g = S == Fp8Source::kGeluTanh ? gelu_tanh(f[j]) : gelu_erf(f[j]);
       f[j] = HAS_UP ? g * u[j] : g;
     }
   }
+}
+
+// Vector i of the row's fp32 values.
+template <typename T, int VEC, Fp8Source S, bool HAS_UP>
+__device__ __forceinline__ void row_values(const T* x, const T* up, int i, float (&f)[VEC]) {
+  vector_values<T, VEC, S, HAS_UP>(load_vec<T, VEC>(x, i), HAS_UP ? load_vec<T, VEC>(up, i) : Vec<T, VEC>{}, f);
 }
 
 template <typename T, int VEC, Fp8Source S, bool HAS_UP, int KEEP>
@@ -72,11 +78,28 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
   constexpr bool kKeepsInput = S == Fp8Source::kInput;
   using Kept = std::conditional_t<kKeepsInput, Vec<T, VEC>, Floats<VEC>>;
   Kept kept[KEEP];
+  // 16-bit GELU rows load every kept vector ahead of the first GELU: in one loop each
+  // vector's load waited for the GELU of the one before it, a memory round trip a vector.
+  // (fp32 rows with up's would take a block fewer an SM for it.)
+  constexpr bool kLoadsAhead = !kKeepsInput && sizeof(T) == 2;
+  constexpr int kAhead = kLoadsAhead ? KEEP : 1;
+  Vec<T, VEC> xs[kAhead], ups[kLoadsAhead && HAS_UP ? KEEP : 1];
+  if constexpr (kLoadsAhead) {
+#pragma unroll
+    for (int k = 0; k < KEEP; ++k) {
+      const int i = t + k * threads_per_row;
+      if (active && i < p.nvec) {
+        xs[k] = load_vec<T, VEC>(x, i);
+        if constexpr (HAS_UP) ups[k] = load_vec<T, VEC>(up, i);
+      }
+    }
+  }
 #pragma unroll
   for (int k = 0; k < KEEP; ++k) {
     const int i = t + k * threads_per_row;
     if (active && i < p.nvec) {
       if constexpr (kKeepsInput) kept[k] = load_vec<T, VEC>(x, i);
+      else if constexpr (kLoadsAhead) vector_values<T, VEC, S, HAS_UP>(xs[k], ups[HAS_UP ? k : 0], kept[k].f);
       else row_values<T, VEC, S, HAS_UP>(x, up, i, kept[k].f);
     }
   }
@@ -108,19 +131,25 @@ __global__ void __launch_bounds__(kMaxBlock<S>) quantize_fp8_kernel(const Fp8Par
       row_fp8_divisor(amax, threads_per_row, scratch, p.static_scale, p.scales, row, active && t == 0);
   if (!active) return;
   uint8_t* q = p.out + row * p.cols;
-  float f[VEC];
+  // 16-bit rows of 16-byte vectors (the models') split the write by the quotient rule; fp32
+  // GELU and unaligned rows spill so.
+  constexpr bool kSplitRule = sizeof(T) == 2 && VEC * sizeof(T) == 16;
+  with_quotient_rule<kSplitRule>(divisor, [&](auto rule) {
+    constexpr Fp8Rule M = decltype(rule)::value;
+    float f[VEC];
 #pragma unroll
-  for (int k = 0; k < KEEP; ++k) {
-    const int i = t + k * threads_per_row;
-    if (i < p.nvec) {
-      kept_values(kept[k], f);
-      store_fp8<VEC>(q, i, f, divisor);
+    for (int k = 0; k < KEEP; ++k) {
+      const int i = t + k * threads_per_row;
+      if (i < p.nvec) {
+        kept_values(kept[k], f);
+        store_fp8<VEC, M>(q, i, f, divisor);
+      }
     }
-  }
-  for (int i = t + KEEP * threads_per_row; i < p.nvec; i += threads_per_row) {
-    row_values<T, VEC, S, HAS_UP>(x, up, i, f);
-    store_fp8<VEC>(q, i, f, divisor);
-  }
+    for (int i = t + KEEP * threads_per_row; i < p.nvec; i += threads_per_row) {
+      row_values<T, VEC, S, HAS_UP>(x, up, i, f);
+      store_fp8<VEC, M>(q, i, f, divisor);
+    }
+  });
 }
 
 template <typename T, int VEC, Fp8Source S, bool HAS_UP, int KEEP>

@@ -89,32 +89,55 @@ __device__ __forceinline__ Fp8Divisor fp8_divisor(float scale, bool from_row_ama
   return {scale, __double2float_rn(wide), wide, from_row_amax && isfinite(scale)};
 }
 
-// y / scale by the row's divisor, unclamped (the saturating conversion clamps): Markstein's
-// step from RN(1 / scale), or the product with the double reciprocal rounded to a float.
-// The step's remainder is taken as q0 * scale - y and subtracted: where it is zero (q0 exact,
+// How a row's quotients y / scale are made: Markstein's step from RN(1 / scale) (the
+// divisor's markstein), the product with the double reciprocal rounded to a float
+// (otherwise), or either as the divisor says, tested an element.
+enum class Fp8Rule { kMarkstein, kWide, kTested };
+
+// y / scale by the row's divisor, unclamped (the saturating conversion clamps), by RULE. The
+// step's remainder is taken as q0 * scale - y and subtracted: where it is zero (q0 exact,
 // y = -0 among them) q0 + (-0) keeps q0's sign, which y - q0 * scale = +0 added would lose.
+template <Fp8Rule RULE>
 __device__ __forceinline__ float fp8_quotient(float y, const Fp8Divisor& d) {
-  if (d.markstein) {
+  if (RULE == Fp8Rule::kMarkstein || (RULE == Fp8Rule::kTested && d.markstein)) {
     const float q0 = __fmul_rn(y, d.reciprocal);
     return __fmaf_rn(-__fmaf_rn(q0, d.scale, -y), d.reciprocal, q0);
   }
   return __double2float_rn(__dmul_rn(y, d.wide_reciprocal));
 }
 
+// Calls write(rule), a std::integral_constant of the rule for write to pass to store_fp8.
+// SPLIT: the row's rule, one branch a row, where the test an element compiles to both rules'
+// instructions, predicated, for every element written; write is compiled twice. Otherwise
+// kTested, for kernels whose registers spill with two copies of their write.
+template <bool SPLIT, typename Write>
+__device__ __forceinline__ void with_quotient_rule(const Fp8Divisor& d, Write&& write) {
+  if constexpr (SPLIT) {
+    if (d.markstein) {
+      write(std::integral_constant<Fp8Rule, Fp8Rule::kMarkstein>{});
+    } else {
+      write(std::integral_constant<Fp8Rule, Fp8Rule::kWide>{});
+    }
+  } else {
+    write(std::integral_constant<Fp8Rule, Fp8Rule::kTested>{});
+  }
+}
+
 // Stores VEC e4m3 bytes of f / scale at vector i of `row`, converted two at a time
 // (saturating, as fp8_scaled's clamp) into 32-bit words in registers (an array of bytes went
-// through local memory on sm_80, where the conversion is emulated).
-template <int VEC>
+// through local memory on sm_80, where the conversion is emulated), by the quotient rule
+// RULE (with_quotient_rule's).
+template <int VEC, Fp8Rule RULE>
 __device__ __forceinline__ void store_fp8(uint8_t* row, int i, const float (&f)[VEC], const Fp8Divisor& d) {
   if constexpr (VEC == 1) {
-    row[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(fp8_quotient(f[0], d), __NV_SATFINITE, __NV_E4M3));
+    row[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(fp8_quotient<RULE>(f[0], d), __NV_SATFINITE, __NV_E4M3));
   } else {
     static_assert(VEC == 4 || VEC == 8, "fp8 stores: 1, 4 or 8 bytes");
     uint32_t words[VEC / 4];
 #pragma unroll
     for (int w = 0; w < VEC / 4; ++w) {
       const auto pair = [&](int j) {
-        const float2 q = make_float2(fp8_quotient(f[j], d), fp8_quotient(f[j + 1], d));
+        const float2 q = make_float2(fp8_quotient<RULE>(f[j], d), fp8_quotient<RULE>(f[j + 1], d));
         return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
       };
       words[w] = pair(4 * w) | (pair(4 * w + 2) << 16);
@@ -126,9 +149,9 @@ __device__ __forceinline__ void store_fp8(uint8_t* row, int i, const float (&f)[
     }
   }
 }
-template <int VEC>
+template <int VEC, Fp8Rule RULE>
 __device__ __forceinline__ void store_fp8(Fp8E4m3* row, int i, const float (&f)[VEC], const Fp8Divisor& d) {
-  store_fp8<VEC>(reinterpret_cast<uint8_t*>(row), i, f, d);
+  store_fp8<VEC, RULE>(reinterpret_cast<uint8_t*>(row), i, f, d);
 }
 
 // The running amax of a row's values f: fp8_amax_step's result (NaN once any is NaN), on

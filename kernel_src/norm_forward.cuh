@@ -211,10 +211,14 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // reduction. Loaded in the write phase, each weight load waits on the previous store (the
   // output may alias the weight): four L2 round trips after the barrier on sm_90
   // (docs/decisions.md).
+  // FP8 AdaLN rows at four vectors preload their scale and shift too: their 512-thread
+  // kernel holds one block an SM at up to 128 registers, and the amax pass otherwise waits
+  // on four loads of them in turn after the reductions.
   constexpr bool kPreload =
       CACHED == 1 ||
       (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) || (kWeighted && VEC * sizeof(W) == 16))) ||
-      (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16);
+      (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16) ||
+      (CACHED == kCachedVecs && MODULATE && kFp8Out<O>);
   constexpr int kPre = kPreload ? CACHED : 1;
   Vec<W, VEC> pre_w[kPre];
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
@@ -356,18 +360,22 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
         row_fp8_divisor(amax, threads_per_row, amax_scratch, p.static_scale, p.scales, r, active && t == 0);
     if (!active) return;
     uint8_t* y_row = p.out + r * p.out_stride;
+    // The rows that make y again spill (sm_80) with the write split by the quotient rule.
+    with_quotient_rule<kKeepsY>(divisor, [&](auto rule) {
+      constexpr Fp8Rule M = decltype(rule)::value;
 #pragma unroll
-    for (int k = 0; k < CACHED; ++k) {
-      const int i = t + k * threads_per_row;
-      if (i >= nvec) continue;
-      if constexpr (!kKeepsY) y_of(cached[k], i, k, y[0]);
-      store_fp8<VEC>(y_row, i, y[kKeepsY ? k : 0], divisor);
-    }
-    for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
-      float f[VEC];
-      y_of(load_vec<T, VEC>(reread, i), i, -1, f);
-      store_fp8<VEC>(y_row, i, f, divisor);
-    }
+      for (int k = 0; k < CACHED; ++k) {
+        const int i = t + k * threads_per_row;
+        if (i >= nvec) continue;
+        if constexpr (!kKeepsY) y_of(cached[k], i, k, y[0]);
+        store_fp8<VEC, M>(y_row, i, y[kKeepsY ? k : 0], divisor);
+      }
+      for (int i = t + CACHED * threads_per_row; kReread && i < nvec; i += threads_per_row) {
+        float f[VEC];
+        y_of(load_vec<T, VEC>(reread, i), i, -1, f);
+        store_fp8<VEC, M>(y_row, i, f, divisor);
+      }
+    });
   } else {
     if (!active) return;
     const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
@@ -508,14 +516,19 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
   }
   const Fp8Divisor divisor = row_fp8_divisor(amax, 32, nullptr, p.static_scale, p.scales, row, lane == 0);
   uint8_t* y_row = p.out + row * p.out_stride;
+  with_quotient_rule<true>(divisor, [&](auto rule) {
 #pragma unroll
-  for (int k = 0; k < CACHED; ++k) {
+    for (int k = 0; k < CACHED; ++k) {
 #pragma unroll
-    for (int v = 0; v < VIRT; ++v) {
-      float f[VEC];
-      if (index(v, k) < nvec) y_of(cached[v][k], index(v, k), f), store_fp8<VEC>(y_row, index(v, k), f, divisor);
+      for (int v = 0; v < VIRT; ++v) {
+        float f[VEC];
+        if (index(v, k) < nvec) {
+          y_of(cached[v][k], index(v, k), f);
+          store_fp8<VEC, decltype(rule)::value>(y_row, index(v, k), f, divisor);
+        }
+      }
     }
-  }
+  });
 }
 
 template <typename T, typename W, typename O>
@@ -1084,16 +1097,19 @@ __global__ void __launch_bounds__(max_block(false, false), 1)
   const Fp8Divisor divisor =
       row_fp8_divisor(amax, blockDim.x, amax_scratch, static_scale, scales, blockIdx.x, threadIdx.x == 0);
   uint8_t* y = out + blockIdx.x * out_stride;
+  with_quotient_rule<true>(divisor, [&](auto rule) {
+    constexpr Fp8Rule M = decltype(rule)::value;
 #pragma unroll
-  for (int k = 0; k < kHeld; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i < nvec) store_fp8<VEC>(y, i, held_y[k], divisor);
-  }
-  for (int i = threadIdx.x + kHeld * blockDim.x; WIDE && i < nvec; i += blockDim.x) {
-    float f[VEC];
-    y_of(load_vec<T, VEC>(x, i), i, f);
-    store_fp8<VEC>(y, i, f, divisor);
-  }
+    for (int k = 0; k < kHeld; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) store_fp8<VEC, M>(y, i, held_y[k], divisor);
+    }
+    for (int i = threadIdx.x + kHeld * blockDim.x; WIDE && i < nvec; i += blockDim.x) {
+      float f[VEC];
+      y_of(load_vec<T, VEC>(x, i), i, f);
+      store_fp8<VEC, M>(y, i, f, divisor);
+    }
+  });
 }
 
 template <typename T, typename W, int VEC>
