@@ -136,19 +136,38 @@ __device__ __forceinline__ float vec_sum(const Vec<T, VEC>& v, float shift, bool
 // A vector's y from its elements f: normed (mean, rstd), rounded to T first (cast), weighted
 // or modulated, as norm_kernel's write makes it before the output's rounding: the FP8
 // outputs' y, which must be the fp32 output's bits.
+// The element's factor after the norm: RMSNorm's weight_offset + weight, or AdaLN's 1 + scale.
+__device__ __forceinline__ float weight_factor(float weight_offset, float w) { return weight_offset + w; }
+__device__ __forceinline__ float scale_factor(float scale) { return 1.f + scale; }
+
+// normed_y's steps from the factors (weight_factor or scale_factor of each element) and
+// AdaLN's shift, given as they are or staged (norm_fp8_warp_row_kernel).
 template <typename T, bool MODULATE, int VEC>
-__device__ __forceinline__ void normed_y(float (&f)[VEC], const float (&wf)[VEC], const float (&scf)[VEC],
-                                         const float (&shf)[VEC], float mean, float rstd, bool cast, bool weighted,
-                                         float weight_offset) {
+__device__ __forceinline__ void normed_y_by_factors(float (&f)[VEC], const float (&factor)[VEC],
+                                                    const float (&shf)[VEC], float mean, float rstd, bool cast,
+                                                    bool weighted) {
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     f[j] = (f[j] - mean) * rstd;
     // AdaLN's rows have no weight to round before: the flag's predicated rounding would
     // still take two issue slots an element.
     if (!MODULATE && cast) f[j] = to_float(from_float<T>(f[j]));
-    if (weighted) f[j] *= weight_offset + wf[j];
-    if constexpr (MODULATE) f[j] = f[j] * (1.f + scf[j]) + shf[j];
+    if (weighted) f[j] *= factor[j];
+    if constexpr (MODULATE) f[j] = f[j] * factor[j] + shf[j];
   }
+}
+
+template <typename T, bool MODULATE, int VEC>
+__device__ __forceinline__ void normed_y(float (&f)[VEC], const float (&wf)[VEC], const float (&scf)[VEC],
+                                         const float (&shf)[VEC], float mean, float rstd, bool cast, bool weighted,
+                                         float weight_offset) {
+  float factor[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    if constexpr (MODULATE) factor[j] = scale_factor(scf[j]);
+    else factor[j] = weighted ? weight_factor(weight_offset, wf[j]) : 0.f;
+  }
+  normed_y_by_factors<T, MODULATE>(f, factor, shf, mean, rstd, cast, weighted);
 }
 
 template <typename T, typename W, typename O, int VEC, int CACHED, NormKind KIND, bool RESIDUAL, bool MODULATE>
@@ -439,13 +458,33 @@ __device__ __forceinline__ float virtual_warps_sum(const float (&acc)[VIRT]) {
   return w[0];
 }
 
+// STAGED: the rows of a block share their write operands (RMSNorm's weight; AdaLN's scale and
+// shift of one batch entry, launch_fp8_warp_rows checks), which the block stages once in
+// shared memory as fp32 factors (weight_factor, scale_factor) and shifts, in float4 planes
+// that a warp reads without bank conflicts: a 16-byte load per four elements where each lane
+// loaded and converted its 16-bit operands, and made the factor, in both passes.
+constexpr int kFp8WarpRowMaxCols = kCachedVecs * kFp8WarpRowVirt * 32 * 8;  // 16-bit rows of 2048
+
+// Operand plane `plane` of vector i's VEC fp32 values, from the staged float4 planes.
+template <int VEC>
+__device__ __forceinline__ void staged_values(const float4* staged, int plane, int i, float (&f)[VEC]) {
+  constexpr int kVecs = kFp8WarpRowMaxCols / VEC;
+#pragma unroll
+  for (int q = 0; q < VEC / 4; ++q) {
+    const float4 v = staged[(plane * (VEC / 4) + q) * kVecs + i];
+    f[4 * q] = v.x, f[4 * q + 1] = v.y, f[4 * q + 2] = v.z, f[4 * q + 3] = v.w;
+  }
+}
+
 // RMSNorm's weight and the Llama order's rounding before it are template flags (WEIGHTED,
 // CAST): as run-time flags their predicated multiply-add and rounding took issue slots in
 // every element of the amax and write loops.
-template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE, bool WEIGHTED, bool CAST>
+template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE, bool WEIGHTED, bool CAST, bool STAGED>
 __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
     norm_fp8_warp_row_kernel(const NormParams<T, W, Fp8E4m3> p) {
   static_assert(!(MODULATE && WEIGHTED) && (!CAST || (!MODULATE && sizeof(T) == 2)));
+  static_assert(!STAGED || MODULATE || WEIGHTED, "staged operands are a weight or a scale and shift");
+  static_assert(VEC % 4 == 0 && kFp8WarpRowMaxCols / VEC >= kCachedVecs * kFp8WarpRowVirt * 32);
   if constexpr (!kFp8Arch) {
     __trap();
     return;
@@ -453,13 +492,20 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
   constexpr int VIRT = kFp8WarpRowVirt;
   constexpr int CACHED = kCachedVecs;
   constexpr int kThreadsPerRow = VIRT * 32;  // the fp32 output's launch
+  // Ada's build (sm_80's code, FP8 conversion emulated) spills staging AdaLN's operands: it
+  // loads them as the unstaged rows do.
+  constexpr bool kStaged = STAGED && (kDeviceArch >= 900 || !MODULATE);
+  constexpr int kPlanes = kStaged ? (MODULATE ? 2 : 1) : 0;
+  __shared__ float4 staged[kPlanes > 0 ? kPlanes * kFp8WarpRowMaxCols / 4 : 1];
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= p.rows) return;  // the whole warp
-  const uint32_t batch = p.tokens.div(static_cast<uint32_t>(row));
-  const uint32_t token = static_cast<uint32_t>(row) - batch * p.tokens.divisor;
+  // Warps past the last row take part in the staging, then leave.
+  const bool active = row < p.rows;
+  if (!kStaged && !active) return;  // the whole warp
+  const uint32_t batch = p.tokens.div(static_cast<uint32_t>(active ? row : 0));
+  const uint32_t token = static_cast<uint32_t>(active ? row : 0) - batch * p.tokens.divisor;
   const int nvec = p.cols / VEC;
-  const T* x = p.input + row * p.input_stride;
+  const T* x = p.input + (active ? row : 0) * p.input_stride;
   const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
   const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
   // Thread v * 32 + lane's vector k.
@@ -469,8 +515,37 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
   for (int k = 0; k < CACHED; ++k) {
 #pragma unroll
     for (int v = 0; v < VIRT; ++v) {
-      if (index(v, k) < nvec) cached[v][k] = load_vec<T, VEC>(x, index(v, k));
+      if (active && index(v, k) < nvec) cached[v][k] = load_vec<T, VEC>(x, index(v, k));
     }
+  }
+  if constexpr (kStaged) {
+    // The block's first row names its operands (every row's, launch_fp8_warp_rows checks).
+    const uint32_t first = blockIdx.x * (blockDim.x / 32);
+    const uint32_t first_batch = p.tokens.div(first);
+    const uint32_t first_token = first - first_batch * p.tokens.divisor;
+    constexpr int kVecs = kFp8WarpRowMaxCols / VEC;
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      float a[VEC], b[VEC];
+      if constexpr (MODULATE) {
+        to_floats(load_vec<T, VEC>(p.scale + first_batch * p.scale_batch + first_token * p.scale_token, i), a);
+        to_floats(load_vec<T, VEC>(p.shift + first_batch * p.shift_batch + first_token * p.shift_token, i), b);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) a[j] = scale_factor(a[j]);
+      } else {
+        to_floats(load_vec<W, VEC>(p.weight, i), a);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) a[j] = weight_factor(p.weight_offset, a[j]);
+      }
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) {
+        staged[q * kVecs + i] = make_float4(a[4 * q], a[4 * q + 1], a[4 * q + 2], a[4 * q + 3]);
+        if constexpr (MODULATE) {
+          staged[(VEC / 4 + q) * kVecs + i] = make_float4(b[4 * q], b[4 * q + 1], b[4 * q + 2], b[4 * q + 3]);
+        }
+      }
+    }
+    __syncthreads();
+    if (!active) return;  // the whole warp
   }
   // norm_kernel's sums: LayerNorm's mean of offsets from the first element, then the centred
   // square sum; RMSNorm's square sum.
@@ -497,11 +572,18 @@ __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
   }
   const float rstd = rsqrtf(sum_sq * p.inv_cols + p.eps);
   const auto y_of = [&](const Vec<T, VEC>& v, int i, float (&f)[VEC]) {
-    float wf[VEC], scf[VEC], shf[VEC];
     to_floats(v, f);
-    if constexpr (WEIGHTED) to_floats(load_vec<W, VEC>(p.weight, i), wf);
-    if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
-    normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, CAST, WEIGHTED, p.weight_offset);
+    if constexpr (kStaged) {
+      float factor[VEC], shf[VEC];
+      staged_values<VEC>(staged, 0, i, factor);
+      if constexpr (MODULATE) staged_values<VEC>(staged, 1, i, shf);
+      normed_y_by_factors<T, MODULATE>(f, factor, shf, mean, rstd, CAST, WEIGHTED);
+    } else {
+      float wf[VEC], scf[VEC], shf[VEC];
+      if constexpr (WEIGHTED) to_floats(load_vec<W, VEC>(p.weight, i), wf);
+      if constexpr (MODULATE) to_floats(load_vec<T, VEC>(scale, i), scf), to_floats(load_vec<T, VEC>(shift, i), shf);
+      normed_y<T, MODULATE>(f, wf, scf, shf, mean, rstd, CAST, WEIGHTED, p.weight_offset);
+    }
   };
   float amax = 0.f;
   if (p.static_scale == nullptr) {
@@ -1145,13 +1227,20 @@ void launch_fp8_warp_rows(const NormArgs& a, cudaStream_t stream) {
     // fp32 rows round to themselves: CAST changes nothing there.
     constexpr bool kRounds = sizeof(T) == 2;
     const bool cast = kRounds && a.cast_before_weight;
-    if (a.weight != nullptr) {
-      if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, kRounds>);
-      return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, false>);
+    if (a.weight != nullptr) {  // every row's weight: staged
+      if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, kRounds, true>);
+      return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, false, true>);
     }
-    if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, kRounds>);
+    if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, kRounds, false>);
+    return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, false, false>);
+  } else {
+    // AdaLN's scale and shift are the block's rows' own where they have no token stride and
+    // the block's rows lie in one batch entry (or every entry's are the same).
+    const bool one_entry = a.scale.token_stride == 0 && a.shift.token_stride == 0 &&
+                           (a.tokens % rows_per_block == 0 || (a.scale.batch_stride == 0 && a.shift.batch_stride == 0));
+    if (one_entry) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, true, false, false, true>);
+    run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, true, false, false, false>);
   }
-  run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, MODULATE, false, false>);
 }
 
 // Rows of at most this many vectors (512 elements in 16 bits) take the lean kernel at any

@@ -158,20 +158,31 @@ def test_rms_norm_fp8_many_rows(kernel, fp8_device, vecs, dtype, weight, cast_be
     check_rms_norm_fp8(kernel, fp8_device, many_rows(fp8_device, vecs, dtype), dtype, weight, cast_before_weight)
 
 
-@pytest.mark.parametrize("per_token", [False, True])
+# The modulation of test_adaln_fp8_many_rows: per batch entry (entries of tokens not a
+# multiple of 8, and of a multiple of 8, where the CUDA launch's blocks of rows each lie in one entry
+# and share its scale and shift), one for every row, per token.
+MANY_ROWS_MODULATIONS = ["entry", "entry-tokens-8k", "shared", "token"]
+
+
+@pytest.mark.parametrize("modulation", MANY_ROWS_MODULATIONS)
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vecs", MANY_ROWS_VECS)
-def test_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm, per_token):
+def test_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm, modulation):
     """adaln_fp8 at the CUDA launch of many rows: fp32 rows quantize adaln's own fp32 output
     bit for bit, with the dynamic scales and a static one; every dtype within one e4m3 step
-    of fp64. The modulation per batch entry or per token."""
+    of fp64."""
     if fp8_device != "cuda":
         pytest.skip("a CUDA launch")
     rows, cols = many_rows(fp8_device, vecs, dtype)
     tokens = -(-rows // 3)  # three batch entries
+    if modulation == "entry-tokens-8k":
+        tokens = -(-tokens // 8) * 8
+    elif tokens % 8 == 0:
+        tokens += 1
     x = make((3, tokens, cols), dtype, fp8_device) + 0.5
-    mod_shape = (3, tokens, cols) if per_token else (3, 1, cols)
+    mod_shape = {"entry": (3, 1, cols), "entry-tokens-8k": (3, 1, cols), "shared": (1, 1, cols),
+                 "token": (3, tokens, cols)}[modulation]
     scale, shift = make(mod_shape, dtype, fp8_device, 0.3), make(mod_shape, dtype, fp8_device, 0.3)
     q, scales = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm)
     assert_within_one_step(q, scales, adaln64(x, scale, shift, 1e-6, norm))
@@ -181,6 +192,35 @@ def test_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm, per_token):
         fixed = torch.tensor([0.01], device=fp8_device)
         assert_bits(kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm, fp8_scale=fixed)[0],
                     reference_quantize(y, fixed)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_many_rows_non_finite_and_static(kernel, fp8_device, dtype):
+    """At the CUDA launch of many rows of 256 16-byte vectors (the warp-a-row kernel, its
+    weight and modulation staged), rows holding an inf or a NaN beside finite rows (their
+    quotient is not Markstein's step) and a static scale: the bits of the fp32 output's y."""
+    if fp8_device != "cuda":
+        pytest.skip("a CUDA launch")
+    rows, cols = many_rows(fp8_device, 256, dtype)
+    x = make((rows, cols), dtype, fp8_device)
+    x[1, 7], x[2, 3] = float("inf"), float("nan")
+    w = (1.0 + 0.5 * torch.randn(cols)).to(device=fp8_device, dtype=torch.float32)
+    y = rms_fp32(kernel, x, w, 1e-6, 0.0, False)
+    assert_quantizes(*kernel.rms_norm_fp8(x, w, 1e-6), y)
+    fixed = torch.tensor([0.01], device=fp8_device)
+    assert_bits(kernel.rms_norm_fp8(x, w, 1e-6, scale=fixed)[0], reference_quantize(y, fixed)[0])
+    tokens = -(-rows // 24) * 8  # three batch entries, each a whole number of the launch's blocks
+    h = make((3, tokens, cols), dtype, fp8_device) + 0.5
+    h[0, 1, 7], h[1, 2, 3] = float("inf"), float("nan")
+    scale, shift = make((3, 1, cols), dtype, fp8_device, 0.3), make((3, 1, cols), dtype, fp8_device, 0.3)
+    y = adaln_fp32(kernel, fp8_device, dtype, h, scale, shift, 1e-6, "rms")
+    if y is not None:  # fp32 rows: adaln's own fp32 output
+        assert_quantizes(*kernel.adaln_fp8(h, scale, shift, 1e-6, norm="rms"), y)
+        assert_bits(kernel.adaln_fp8(h, scale, shift, 1e-6, norm="rms", fp8_scale=fixed)[0],
+                    reference_quantize(y, fixed)[0])
+    else:  # the non-finite rows' scales and bytes
+        q, scales = kernel.adaln_fp8(h, scale, shift, 1e-6, norm="rms")
+        assert scales[0, 1].isnan().all() and scales[1, 2].isnan().all() and scales[2].isfinite().all()
 
 
 def adaln64(h, scale, shift, eps, norm):
