@@ -147,6 +147,31 @@ def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
     assert re.search(r"/ compile\+kernels\+fp8: [\d.]+ ms \(host [\d.]+ ms\), L2 [\d.]+% from eager\n", table)
 
 
+def test_compiled_configuration_inductor_ran_without_cuda_graphs_is_an_error(tmp_path, monkeypatch):
+    """--compile-mode reduce-overhead: a compiled configuration during whose calls inductor
+    counted a CUDA-graph skip is reported as an error, not timed as a graphed forward; eager
+    configurations are timed as ever, and the mode is recorded with the compile options."""
+    bench = load_benchmark()
+    skips = iter(range(1000))  # a skip counted at every look, as inductor counts each skipped graph
+    monkeypatch.setattr(bench, "cudagraph_skips", lambda: next(skips))
+    out = tmp_path / "e2e.json"
+    bench.main(["--tiny", "--device", "cpu", "--models", "ltx", "--configs", "eager,compile+kernels",
+                "--compile-backend", "eager", "--compile-mode", "reduce-overhead", "--warmup", "0",
+                "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["compile"]["mode"] == "reduce-overhead"
+    by = {r["config"]: r for r in report["results"]}
+    assert by["eager"]["error"] is None and by["eager"]["ms"] > 0
+    assert by["compile+kernels"]["error"] == "RuntimeError: inductor ran it without CUDA graphs (its log says why)"
+    # no skip counted: the graphed configuration is timed
+    monkeypatch.setattr(bench, "cudagraph_skips", lambda: 0)
+    bench.main(["--tiny", "--device", "cpu", "--models", "ltx", "--configs", "compile+kernels",
+                "--compile-backend", "eager", "--compile-mode", "reduce-overhead", "--warmup", "0",
+                "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["error"] is None and result["ms"] > 0
+
+
 def test_timeline_merges_overlapping_work_and_counts_the_gaps():
     """Busy time is the union of the intervals (work on two streams overlaps), the span
     runs from the first start to the last end, whatever the order they come in."""

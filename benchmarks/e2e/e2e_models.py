@@ -20,8 +20,10 @@ eager / compile + torchao-fp8 (torchao's `Float8DynamicActivationFloat8WeightCon
 cells also show the output's relative L2 from eager. A configuration that fails (e.g. a
 graph break under fullgraph) is reported with its error rather than stopping the run.
 
-Timing: wall time per forward, CUDA events around each call (no CUDA graphs: these are
-whole models), after warmup; the median is reported, with the median host time (until the
+Timing: wall time per forward, CUDA events around each call, after warmup (no CUDA graphs
+but with ``--compile-mode reduce-overhead``, where the compiled configurations replay
+inductor's CUDA graphs and one whose graphs inductor skipped is reported as an error, not
+timed as a graphed forward); the median is reported, with the median host time (until the
 call returns; the table shows it in parentheses). Each kernelized output is compared
 with the eager one. Also a torch.profiler breakdown of the kernels of one call per model
 in each configuration (LTX: the first video; Qwen3: the decode step) with, on a GPU, that
@@ -62,6 +64,8 @@ kernelize_diffusers, kernelize_transformers, unkernelize = (
     _kernel.kernelize_diffusers, _kernel.kernelize_transformers, _kernel.unkernelize)
 
 CONFIGS = ("eager", "eager+kernels", "compile", "compile+kernels")
+# torch.compile modes in which inductor records CUDA graphs
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 FP8_CONFIGS = ("eager+kernels+fp8", "compile+kernels+fp8", "eager+kernels+fp8-fast", "compile+kernels+fp8-fast",
                "eager+torchao-fp8", "compile+torchao-fp8")
 DTYPE = torch.bfloat16
@@ -165,6 +169,13 @@ def parameters(model) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
 
 
+def cudagraph_skips() -> int:
+    """Inductor's count of compiled graphs it ran without CUDA graphs (a CPU tensor, an
+    input mutation, dynamic shapes...), with the reason in its log."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def median_ms(fn, device, warmup, repeats) -> Tuple[float, float]:
     """Medians of the wall time per call (CUDA events on a GPU) and of the host time, from
     the call until it returns. On a GPU, host time near the wall time means the GPU waited
@@ -262,16 +273,21 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                 target = torchao_fp8(model)
         except Exception as error:  # noqa: BLE001  (reported per workload below)
             setup_error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        runner = torch.compile(target, dynamic=False, **compile_options) if config.startswith("compile") else target
+        compiled = config.startswith("compile")
+        runner = torch.compile(target, dynamic=False, **compile_options) if compiled else target
+        graphed = compiled and compile_options.get("mode") in CUDAGRAPH_MODES
         for workload in workloads:
             result = Result(workload.name, config, replaced=replaced)
             try:
                 if setup_error:
                     raise RuntimeError(setup_error)
                 with torch.no_grad():
-                    output = workload.run(runner).float()
+                    skips = cudagraph_skips()
+                    output = workload.run(runner).to(torch.float32, copy=True)  # a graph replay reuses its output
                     with ClockSampler() if clocks else contextlib.nullcontext() as sampler:
                         result.ms, result.host_ms = median_ms(lambda: workload.run(runner), device, *timing)
+                    if graphed and cudagraph_skips() > skips:
+                        raise RuntimeError("inductor ran it without CUDA graphs (its log says why)")
                     result.clocks = clock_summary(sampler.lines) if clocks else None
                 if profile_top and workload is profiled:
                     key = f"{workload.name} / {config}"
@@ -502,6 +518,10 @@ def main(argv=None):
     parser.add_argument("--no-fullgraph", dest="fullgraph", action="store_false", help="allow graph breaks")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend (\"eager\": only dynamo's tracing, to check for graph breaks)")
+    parser.add_argument("--compile-mode", default="default",
+                        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                        help="torch.compile mode of the compiled configurations (reduce-overhead: inductor's "
+                             "CUDA graphs, a forward replayed as one graph)")
     parser.add_argument("--profile-top", type=int, default=15, help="kernels in the profile (0: no profile)")
     parser.add_argument("--clocks", action="store_true",
                         help="sample SM clock, power and the power cap (nvidia-smi) while each configuration is timed")
@@ -516,6 +536,8 @@ def main(argv=None):
         parser.error(f"--ltx-videos takes some of {', '.join(LTX_LATENTS)}")
     device = args.device
     compile_options = dict(fullgraph=args.fullgraph, backend=args.compile_backend)
+    if args.compile_mode != "default":
+        compile_options["mode"] = args.compile_mode
     timing = (args.warmup if args.warmup is not None else (3 if device == "cuda" else 1),
               args.repeats if args.repeats is not None else (10 if device == "cuda" else 3))
 

@@ -22,12 +22,16 @@ from benchmarks.ops import bench_ops
 
 REPO = Path(__file__).resolve().parents[2]
 FP8, E4M3_MAX = torch.float8_e4m3fn, 448.0
-# (op, shape): LTX-Video 2B's tokens (batch 2, 49 frames at 512x768), an LLM prefill (its
-# feed-forward's 8192 wide GELU too) and the 13B configuration's 4096 wide AdaLN
+# (op, shape): LTX-Video 2B's tokens (batch 2; 161 frames at 1024x1024, 21x32x32 latents),
+# an LLM prefill (its feed-forward's 8192 wide GELU too), the 13B configuration's 4096 wide
+# AdaLN, then the producers of the end-to-end forward (e2e_models: 49 frames at 512x768,
+# 7x16x24 latents)
 SHAPES = [("quantize_fp8", (2, 21504, 2048)), ("rms_norm_fp8", (2, 21504, 2048)), ("adaln_fp8", (2, 21504, 2048)),
           ("gated_residual_adaln_fp8", (2, 21504, 2048)), ("gelu_fp8", (2, 21504, 8192)),
           ("quantize_fp8", (8192, 4096)), ("rms_norm_fp8", (8192, 4096)), ("adaln_fp8", (2, 21504, 4096)),
-          ("quantize_fp8", (2, 21504, 8192))]
+          ("quantize_fp8", (2, 21504, 8192)),
+          ("quantize_fp8", (2, 2688, 2048)), ("adaln_fp8", (2, 2688, 2048)),
+          ("gated_residual_adaln_fp8", (2, 2688, 2048)), ("gelu_fp8", (2, 2688, 8192))]
 # (M tokens, N out, K in): LTX-Video 2B's attention projections (q, k, v, out; fused qkv) and
 # feed-forward (up, down), at 49 and 161 frames with CFG
 GEMMS = [(m, n, k) for m in (5376, 16128) for n, k in ((2048, 2048), (6144, 2048), (8192, 2048), (2048, 8192))]
