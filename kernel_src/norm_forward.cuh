@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
 // warps of four cached vectors a thread (LTX's 2048 wide in 16 bits), as a warp a row: lane l
 // does the work of that launch's threads l and l + 32, in their order, so that y is the fp32
 // output's bit for bit: each thread's sum, each warp's butterfly, then row_reduce's butterfly
-// over the two warps' sums, where the lanes past them add 0. No shared memory and no barrier
+// over the two warps' sums, where the lanes past them add 0. No barrier between the passes
 // (the block kernel waits at two a row, the amax's included), and more rows in flight per SM.
 // The row's fp32 y does not fit the registers: it is made again for the write. Wider rows
 // (four warps, 16 vectors a lane) and the gated residual's rows ran slower so
