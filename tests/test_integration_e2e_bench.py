@@ -30,7 +30,7 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
     workloads = {r["workload"] for r in results}
     assert len(workloads) == 3 and len(results) == 3 * len(bench.CONFIGS)
     for r in results:
-        assert r["error"] is None and r["ms"] > 0 and r["host_ms"] > 0, r
+        assert r["error"] is None and r["ms"] > 0 and r["host_ms"] > 0 and r["queued_ms"] > 0, r
         # nvidia-smi's samples where it is installed (a GPU machine), else none
         assert r["clocks"] is None or r["clocks"]["samples"] > 0, r
         if r["config"] == "compile+kernels" and r["workload"].startswith("Qwen3"):
@@ -53,8 +53,8 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
     assert any("rms_norm" in row["name"] for row in profiles[f"{qwen3_decode} / eager+kernels"])
     assert report["timelines"] == {key: None for key in profiles}  # GPU timelines only
     table = capsys.readouterr().out
-    assert ("| workload | eager ms (host ms) | eager+kernels ms (host ms) | compile ms (host ms) "
-            "| compile+kernels ms (host ms) |") in table
+    assert ("| workload | eager ms (host ms, queued ms) | eager+kernels ms (host ms, queued ms) "
+            "| compile ms (host ms, queued ms) | compile+kernels ms (host ms, queued ms) |") in table
     qwen3_row = next(line for line in table.splitlines() if line.startswith(f"| {qwen3_decode} |"))
     qwen3_cells = qwen3_row.split(" | ")
     assert qwen3_cells[4].endswith(" stock")  # compile+kernels: the stock model compiled
@@ -144,7 +144,8 @@ def test_tiny_ltx_fp8_configurations(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "eager+kernels+fp8 vs eager" in table and " L2 " in table
     # each FP8 configuration's line, printed as it finishes, carries its error too
-    assert re.search(r"/ compile\+kernels\+fp8: [\d.]+ ms \(host [\d.]+ ms\), L2 [\d.]+% from eager\n", table)
+    assert re.search(r"/ compile\+kernels\+fp8: [\d.]+ ms \(host [\d.]+ ms, queued [\d.]+ ms\), L2 [\d.]+% from eager\n",
+                     table)
 
 
 def test_compiled_configuration_inductor_ran_without_cuda_graphs_is_an_error(tmp_path, monkeypatch):
