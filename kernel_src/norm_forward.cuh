@@ -133,9 +133,6 @@ __device__ __forceinline__ float vec_sum(const Vec<T, VEC>& v, float shift, bool
   return s;
 }
 
-// A vector's y from its elements f: normed (mean, rstd), rounded to T first (cast), weighted
-// or modulated, as norm_kernel's write makes it before the output's rounding: the FP8
-// outputs' y, which must be the fp32 output's bits.
 // The element's factor after the norm: RMSNorm's weight_offset + weight, or AdaLN's 1 + scale.
 __device__ __forceinline__ float weight_factor(float weight_offset, float w) { return weight_offset + w; }
 __device__ __forceinline__ float scale_factor(float scale) { return 1.f + scale; }
@@ -157,6 +154,10 @@ __device__ __forceinline__ void normed_y_by_factors(float (&f)[VEC], const float
   }
 }
 
+// A vector's y from its elements f: normed (mean, rstd), rounded to T first (cast), weighted
+// or modulated, as norm_kernel's write makes it before the output's rounding: the FP8
+// outputs' y, which must be the fp32 output's bits. (That write keeps its own copy of these
+// steps: through normed_y its unvectorized LayerNorm AdaLN rows spill on sm_80.)
 template <typename T, bool MODULATE, int VEC>
 __device__ __forceinline__ void normed_y(float (&f)[VEC], const float (&wf)[VEC], const float (&scf)[VEC],
                                          const float (&shf)[VEC], float mean, float rstd, bool cast, bool weighted,
