@@ -125,6 +125,9 @@ def _run_one(job: Job) -> JobResult:
         report = job.reportfile.read_text() if job.reportfile.is_file() else ""
         return JobResult(job, cached=True, seconds=0.0, resources=parse_ptxas(report))
     job.obj.parent.mkdir(parents=True, exist_ok=True)
+    # The stamp's own write time, in the file system's clock (coarser than time.time()).
+    job.stampfile.write_text("")
+    started = job.stampfile.stat().st_mtime
     start = time.monotonic()
     proc = subprocess.run(job.cmd, capture_output=True, text=True)
     seconds = time.monotonic() - start
@@ -134,7 +137,10 @@ def _run_one(job: Job) -> JobResult:
             f"{shlex.join(job.cmd)}\n{proc.stdout}{proc.stderr}"
         )
     job.reportfile.write_text(proc.stderr)
-    new_stamp = _stamp(job)
+    # An input edited while it compiled may not be in the object: no stamp, so the next
+    # build compiles it again.
+    edited = any(p.is_file() and p.stat().st_mtime >= started for p in _depfile_inputs(job.depfile))
+    new_stamp = None if edited else _stamp(job)
     if new_stamp is not None:
         job.stampfile.write_text(new_stamp)
     return JobResult(job, cached=False, seconds=seconds, resources=parse_ptxas(proc.stderr))

@@ -4,6 +4,7 @@ flags, variant names, spill detection."""
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -374,6 +375,32 @@ def test_a_spill_on_any_one_arch_fails_the_build(tmp_path):
     emit = f"printf '%s' {shlex.quote(PTXAS_LOG_BLACKWELL)} >&2; touch {shlex.quote(str(obj))}"
     with pytest.raises(CompileError, match=r"sm_120 k\(float\*\): 8 B stores, 8 B loads"):
         run_jobs([Job("k.cu", tmp_path / "k.cu", obj, ["sh", "-c", emit])], workers=1, prefix="test")
+
+
+def test_a_source_edited_while_it_compiles_is_compiled_again(tmp_path):
+    """The stamp hashes the inputs after the compile: one edited meanwhile (the object may
+    hold its old text) leaves no stamp, so the next build compiles it again; an untouched
+    one is up to date."""
+    from builder.compile import Job, run_jobs
+
+    src, obj = tmp_path / "k.cu", tmp_path / "k.o"
+    src.write_text("old\n")
+    depfile = f"printf 'k.o: %s\\n' {shlex.quote(str(src))} > {shlex.quote(str(obj.with_suffix('.d')))}"
+    touch = f"touch {shlex.quote(str(obj))}"
+    # One command for every build (it is in the stamp): it edits the source while the flag exists.
+    flag = tmp_path / "edit"
+    edit = f"if [ -e {shlex.quote(str(flag))} ]; then echo new >> {shlex.quote(str(src))}; fi"
+    job = Job("k.cu", src, obj, ["sh", "-c", f"{edit}; {depfile}; {touch}"])
+
+    def build(edit):
+        flag.write_text("") if edit else flag.unlink(missing_ok=True)
+        time.sleep(0.05)  # past the file clock's tick of the last edit (an edit within it counts)
+        (result,) = run_jobs([job], workers=1, prefix="test")
+        return result.cached
+
+    assert build(edit=True) is False
+    assert build(edit=False) is False, "the source edited during its compile was taken as up to date"
+    assert build(edit=False) is True
 
 
 @pytest.mark.rebuilds_build_folder
