@@ -44,6 +44,15 @@ def test_tiny_run_covers_every_workload_and_configuration(tmp_path, capsys):
     # the code a result ran, also from a copied tree whose git metadata lags
     source_sha = report["environment"]["source_sha"]
     assert len(source_sha) == 12 and set(source_sha) <= set("0123456789abcdef") and source_sha == bench.source_sha()
+    # the peers' versions as installed (torchao's FP8 and inductor's Triton), None where absent
+    import importlib.metadata
+
+    for name, version in report["environment"]["peers"].items():
+        try:
+            assert version == importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            assert version is None
+    assert set(report["environment"]["peers"]) == {"triton", "torchao"}
     ltx, qwen3_decode = results[0]["workload"], results[-1]["workload"]
     profiles = report["profiles"]
     assert set(profiles) == {f"{w} / {c}" for w in (ltx, qwen3_decode) for c in bench.CONFIGS}

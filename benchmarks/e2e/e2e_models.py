@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import copy
 import hashlib
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -505,7 +506,22 @@ def environment(device) -> dict:
     return dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__,
                 transformers=transformers.__version__, kernels=kernels.__version__, git_rev=rev,
-                source_sha=source_sha())
+                source_sha=source_sha(), peers=peer_versions())
+
+
+# The packages beside torch whose code a configuration runs (inductor's Triton, torchao's
+# FP8): None where not installed.
+PEER_PACKAGES = ("triton", "torchao")
+
+
+def peer_versions() -> dict:
+    found = {}
+    for name in PEER_PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 # What kernel-builder generates into the sources at build time (git-ignored): it names the
@@ -623,7 +639,8 @@ def main(argv=None):
         del qwen, workloads
 
     env = environment(device)
-    print(f"\n{env['device']}, torch {env['torch']}, {DTYPE}, median of {timing[1]} after {timing[0]} warmup\n")
+    peers = "".join(f", {name} {version}" for name, version in env["peers"].items() if version)
+    print(f"\n{env['device']}, torch {env['torch']}{peers}, {DTYPE}, median of {timing[1]} after {timing[0]} warmup\n")
     print(markdown(results, configs))
     clocked = [r for r in results if r.clocks]
     if clocked:
