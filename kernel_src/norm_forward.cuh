@@ -444,6 +444,9 @@ constexpr int kFp8WarpRowBlock = 256;
 constexpr int kFp8WarpRowVirt = 2;
 // 64 registers for eight vectors a lane.
 constexpr int kFp8WarpRowMinBlocks = 4;
+// Rows an SM from which the AdaLN rows of four warps of two vectors take a warp a row: two
+// blocks of eight rows each, so that an SM still holds 16 warps.
+constexpr int kFp8WarpRowMinRowsPerSm = 16;
 
 // The sum of VIRT warps' per-lane values as row_reduce adds them (every lane gets it).
 template <int VIRT>
@@ -480,18 +483,20 @@ __device__ __forceinline__ void staged_values(const float4* staged, int plane, i
 // RMSNorm's weight and the Llama order's rounding before it are template flags (WEIGHTED,
 // CAST): as run-time flags their predicated multiply-add and rounding took issue slots in
 // every element of the amax and write loops.
-template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE, bool WEIGHTED, bool CAST, bool STAGED>
+// VIRT virtual threads of CACHED vectors a lane: the fp32 output's launch of VIRT warps a row
+// and CACHED vectors a thread (two of four, or four of two), eight vectors a lane either way.
+template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE, bool WEIGHTED, bool CAST, bool STAGED,
+          int VIRT = kFp8WarpRowVirt, int CACHED = kCachedVecs>
 __global__ void __launch_bounds__(kFp8WarpRowBlock, kFp8WarpRowMinBlocks)
     norm_fp8_warp_row_kernel(const NormParams<T, W, Fp8E4m3> p) {
   static_assert(!(MODULATE && WEIGHTED) && (!CAST || (!MODULATE && sizeof(T) == 2)));
   static_assert(!STAGED || MODULATE || WEIGHTED, "staged operands are a weight or a scale and shift");
-  static_assert(VEC % 4 == 0 && kFp8WarpRowMaxCols / VEC >= kCachedVecs * kFp8WarpRowVirt * 32);
+  static_assert(VIRT * CACHED == kFp8WarpRowVirt * kCachedVecs, "eight vectors a lane: the register bound");
+  static_assert(VEC % 4 == 0 && kFp8WarpRowMaxCols / VEC >= CACHED * VIRT * 32);
   if constexpr (!kFp8Arch) {
     __trap();
     return;
   }
-  constexpr int VIRT = kFp8WarpRowVirt;
-  constexpr int CACHED = kCachedVecs;
   constexpr int kThreadsPerRow = VIRT * 32;  // the fp32 output's launch
   // Ada's build (sm_80's code, FP8 conversion emulated) spills staging AdaLN's operands: it
   // loads them as the unstaged rows do.
@@ -1215,8 +1220,9 @@ void launch_rms_norm_rows_fp8(const NormArgs& a, int cached, int block, cudaStre
   run(rms_norm_row_fp8_kernel<T, W, VEC, false, false>);
 }
 
-// norm_fp8_warp_row_kernel over the rows, a warp each.
-template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE>
+// norm_fp8_warp_row_kernel over the rows, a warp each, as VIRT threads of CACHED vectors.
+template <typename T, typename W, int VEC, NormKind KIND, bool MODULATE, int VIRT = kFp8WarpRowVirt,
+          int CACHED = kCachedVecs>
 void launch_fp8_warp_rows(const NormArgs& a, cudaStream_t stream) {
   constexpr int rows_per_block = kFp8WarpRowBlock / 32;
   const int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
@@ -1229,18 +1235,18 @@ void launch_fp8_warp_rows(const NormArgs& a, cudaStream_t stream) {
     constexpr bool kRounds = sizeof(T) == 2;
     const bool cast = kRounds && a.cast_before_weight;
     if (a.weight != nullptr) {  // every row's weight: staged
-      if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, kRounds, true>);
-      return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, false, true>);
+      if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, kRounds, true, VIRT, CACHED>);
+      return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, true, false, true, VIRT, CACHED>);
     }
-    if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, kRounds, false>);
-    return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, false, false>);
+    if (cast) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, kRounds, false, VIRT, CACHED>);
+    return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, false, false, false, false, VIRT, CACHED>);
   } else {
     // AdaLN's scale and shift are the block's rows' own where they have no token stride and
     // the block's rows lie in one batch entry (or every entry's are the same).
     const bool one_entry = a.scale.token_stride == 0 && a.shift.token_stride == 0 &&
                            (a.tokens % rows_per_block == 0 || (a.scale.batch_stride == 0 && a.shift.batch_stride == 0));
-    if (one_entry) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, true, false, false, true>);
-    run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, true, false, false, false>);
+    if (one_entry) return run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, true, false, false, true, VIRT, CACHED>);
+    run(norm_fp8_warp_row_kernel<T, W, VEC, KIND, true, false, false, false, VIRT, CACHED>);
   }
 }
 
@@ -1355,6 +1361,15 @@ void launch(const NormArgs& a, cudaStream_t stream) {
     if (vector && per_thread == kCachedVecs && cached == kCachedVecs &&
         cfg.threads_per_row == kFp8WarpRowVirt * 32 && nvec <= cached * cfg.threads_per_row) {
       return launch_fp8_warp_rows<T, W, V, KIND, MODULATE>(a, stream);
+    }
+    // AdaLN rows that it gives four warps of two cached vectors a thread, as many rows as
+    // kFp8WarpRowMinRowsPerSm an SM or more: a warp a row as four virtual threads. Fewer rows
+    // keep the four warps a row, which puts more threads on each SM.
+    if constexpr (MODULATE) {
+      if (vector && per_thread == 2 && cached == 2 && cfg.threads_per_row == 4 * 32 &&
+          nvec <= cached * cfg.threads_per_row && a.rows >= kFp8WarpRowMinRowsPerSm * sms) {
+        return launch_fp8_warp_rows<T, W, V, KIND, MODULATE, 4, 2>(a, stream);
+      }
     }
   }
   if constexpr (KIND == NormKind::kRms && !RESIDUAL && !MODULATE) {

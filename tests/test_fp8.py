@@ -139,10 +139,10 @@ def test_rms_norm_fp8_without_weight_takes_no_offset(kernel, fp8_device, dtype):
 MANY_ROWS_VECS = [256, 225, 512, 375]
 
 
-def many_rows(device, vecs, dtype):
-    """(rows, cols): more rows than 64 an SM, not a whole number of blocks, each of `vecs`
-    16-byte vectors of dtype."""
-    rows = 64 * torch.cuda.get_device_properties(device).multi_processor_count + 3
+def many_rows(device, vecs, dtype, per_sm=64):
+    """(rows, cols): more rows than `per_sm` an SM, not a whole number of blocks, each of
+    `vecs` 16-byte vectors of dtype."""
+    rows = per_sm * torch.cuda.get_device_properties(device).multi_processor_count + 3
     return rows, vecs * 16 // (torch.finfo(dtype).bits // 8)
 
 
@@ -164,17 +164,20 @@ def test_rms_norm_fp8_many_rows(kernel, fp8_device, vecs, dtype, weight, cast_be
 MANY_ROWS_MODULATIONS = ["entry", "entry-tokens-8k", "shared", "token"]
 
 
+# 32 rows an SM: the fp32 output's launch takes four warps of two vectors a thread at 256
+# vectors a row, which the FP8 output runs a warp a row.
+@pytest.mark.parametrize("per_sm", [64, 32])
 @pytest.mark.parametrize("modulation", MANY_ROWS_MODULATIONS)
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vecs", MANY_ROWS_VECS)
-def test_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm, modulation):
+def test_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm, modulation, per_sm):
     """adaln_fp8 at the CUDA launch of many rows: fp32 rows quantize adaln's own fp32 output
     bit for bit, with the dynamic scales and a static one; every dtype within one e4m3 step
     of fp64."""
     if fp8_device != "cuda":
         pytest.skip("a CUDA launch")
-    rows, cols = many_rows(fp8_device, vecs, dtype)
+    rows, cols = many_rows(fp8_device, vecs, dtype, per_sm)
     tokens = -(-rows // 3)  # three batch entries
     if modulation == "entry-tokens-8k":
         tokens = -(-tokens // 8) * 8
