@@ -30,6 +30,16 @@ def test_wrong_results_flags_only_the_outlier():
     assert bench_ops.wrong_results({"ltx": 5.0, "eager": RuntimeError("out of memory")}) == {}
 
 
+def test_fp8_shapes_option_parses_and_refuses():
+    from benchmarks.ops import bench_fp8
+
+    assert bench_fp8.parse_shapes("adaln_fp8:2x2688x2048, gelu_fp8:5376x8192") == [
+        ("adaln_fp8", (2, 2688, 2048)), ("gelu_fp8", (5376, 8192))]
+    for bad in ("adaln:2x2x8", "gelu_fp8", "gelu_fp8:4x", "gelu_fp8:0x8", "adaln_fp8:5376x2048"):
+        with pytest.raises(ValueError, match="--shapes"):
+            bench_fp8.parse_shapes(bad)
+
+
 def test_host_time_is_the_issuing_time_of_one_call():
     """host_time_us divides the time of back-to-back calls by their count: a call that
     holds the host 2 ms reads about 2000 us, one that returns at once well below."""

@@ -10,6 +10,7 @@ row-wise scales, standard and fast accumulation, and `FP8Linear` (its input's qu
 included), each output's relative L2 from the bf16 GEMM beside it.
 
     python -m benchmarks.ops.bench_fp8 [--reps 3] [--skip-gemms] [--ours-only]
+    python -m benchmarks.ops.bench_fp8 --skip-gemms --shapes adaln_fp8:2x2688x2048,gelu_fp8:5376x8192
 """
 
 import argparse
@@ -35,6 +36,29 @@ SHAPES = [("quantize_fp8", (2, 21504, 2048)), ("rms_norm_fp8", (2, 21504, 2048))
 # (M tokens, N out, K in): LTX-Video 2B's attention projections (q, k, v, out; fused qkv) and
 # feed-forward (up, down), at 49 and 161 frames with CFG
 GEMMS = [(m, n, k) for m in (5376, 16128) for n, k in ((2048, 2048), (6144, 2048), (8192, 2048), (2048, 8192))]
+
+
+MODULATED = ("adaln_fp8", "gated_residual_adaln_fp8")  # their scale, shift (and gate) per batch entry
+
+
+def parse_shapes(text):
+    """--shapes' "op:AxBxC,..." as SHAPES' (op, shape) pairs; the last dimension is a row's width."""
+    ops = {op for op, _ in SHAPES}
+    shapes = []
+    for item in text.split(","):
+        op, sep, dims = item.strip().partition(":")
+        if op not in ops or not sep:
+            raise ValueError(f"--shapes: {item!r} is not op:AxB... with op one of {', '.join(sorted(ops))}")
+        try:
+            shape = tuple(int(d) for d in dims.split("x"))
+        except ValueError:
+            shape = ()
+        if not shape or min(shape) < 1:
+            raise ValueError(f"--shapes: {item!r}: dimensions are positive integers joined by x")
+        if op in MODULATED and len(shape) != 3:
+            raise ValueError(f"--shapes: {item!r}: {op} takes batch x tokens x width (a modulation an entry)")
+        shapes.append((op, shape))
+    return shapes
 
 
 def quantize(y):
@@ -80,6 +104,8 @@ def main():
     parser.add_argument("--skip-gemms", action="store_true", help="only the producers")
     parser.add_argument("--ours-only", action="store_true",
                         help="time ltx's producers alone (no PyTorch peers): two builds' A/B, each in its own tree")
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES,
+                        help="the producers' shapes instead of the LTX ones, e.g. adaln_fp8:2x2688x2048,gelu_fp8:5376x8192")
     args = parser.parse_args()
     if torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("FP8 needs a GPU of compute capability 8.9 or newer")
@@ -89,7 +115,7 @@ def main():
     bench_ops.configure_dynamo()  # a compile peer past dynamo's recompile limit raises, never runs eagerly
     bandwidth = harness.copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth:.0f} GB/s")
-    for op, shape in SHAPES:
+    for op, shape in args.shapes:
         d = shape[-1]
 
         def inputs():
