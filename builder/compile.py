@@ -138,8 +138,9 @@ def _run_one(job: Job) -> JobResult:
         )
     job.reportfile.write_text(proc.stderr)
     # An input edited while it compiled may not be in the object: no stamp, so the next
-    # build compiles it again.
-    edited = any(p.is_file() and p.stat().st_mtime >= started for p in _depfile_inputs(job.depfile))
+    # build compiles it again. Strictly later: a source written just before the build, in
+    # the clock tick of the stamp's write, is not taken for an edit.
+    edited = any(p.is_file() and p.stat().st_mtime > started for p in _depfile_inputs(job.depfile))
     new_stamp = None if edited else _stamp(job)
     if new_stamp is not None:
         job.stampfile.write_text(new_stamp)

@@ -4,7 +4,6 @@ flags, variant names, spill detection."""
 import shlex
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -387,14 +386,14 @@ def test_a_source_edited_while_it_compiles_is_compiled_again(tmp_path):
     src.write_text("old\n")
     depfile = f"printf 'k.o: %s\\n' {shlex.quote(str(src))} > {shlex.quote(str(obj.with_suffix('.d')))}"
     touch = f"touch {shlex.quote(str(obj))}"
-    # One command for every build (it is in the stamp): it edits the source while the flag exists.
+    # One command for every build (it is in the stamp): while the flag exists it edits the
+    # source, past the file clock's tick of the compile's start.
     flag = tmp_path / "edit"
-    edit = f"if [ -e {shlex.quote(str(flag))} ]; then echo new >> {shlex.quote(str(src))}; fi"
+    edit = f"if [ -e {shlex.quote(str(flag))} ]; then sleep 0.05; echo new >> {shlex.quote(str(src))}; fi"
     job = Job("k.cu", src, obj, ["sh", "-c", f"{edit}; {depfile}; {touch}"])
 
     def build(edit):
         flag.write_text("") if edit else flag.unlink(missing_ok=True)
-        time.sleep(0.05)  # past the file clock's tick of the last edit (an edit within it counts)
         (result,) = run_jobs([job], workers=1, prefix="test")
         return result.cached
 
