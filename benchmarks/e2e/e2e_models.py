@@ -48,7 +48,6 @@ import hashlib
 import importlib.metadata
 import json
 import platform
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -272,38 +271,12 @@ def clock_summary(lines: List[str]) -> Optional[dict]:
                 power_cap_share=sum(bool(s[2] & SW_POWER_CAP) for s in samples) / len(samples))
 
 
-class ConfigTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_limit(seconds: Optional[float]):
-    """Raise ConfigTimeout in this (the main) thread once ``seconds`` have passed (None: no
-    limit). A long call into C++ takes it when it returns to Python."""
-    if not seconds:
-        yield
-        return
-
-    def expire(signum, frame):
-        raise ConfigTimeout(f"did not finish within {seconds:g} s")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options, profiled: Workload,
-                    profile_top, clocks=False, on_result: Optional[Callable[[Result], None]] = None,
-                    config_timeout: Optional[float] = None
+                    profile_top, clocks=False, on_result: Optional[Callable[[Result], None]] = None
                     ) -> Tuple[List[Result], Dict[str, List[dict]], Dict[str, Optional[dict]]]:
     """Each configuration's times, and (profile_top > 0) the profile_kernels of one call of
     ``profiled`` in it and its GPU timeline, both keyed "workload / config"; ``on_result``
-    sees each result as it is made. A workload that takes a configuration longer than
-    ``config_timeout`` seconds (its compile and timing) is reported as an error and the run
-    goes on; its profile has as long again, past which it is left out."""
+    sees each result as it is made."""
     results, profiles, timelines = [], {}, {}
     # Every configuration's error is from stock eager: its output made once, untimed, also
     # where the run times no eager configuration.
@@ -336,7 +309,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
             try:
                 if setup_error:
                     raise RuntimeError(setup_error)
-                with time_limit(config_timeout), torch.no_grad():
+                with torch.no_grad():
                     skips = cudagraph_skips()
                     output = workload.run(runner).to(torch.float32, copy=True)  # a graph replay reuses its output
                     with ClockSampler() if clocks else contextlib.nullcontext() as sampler:
@@ -347,12 +320,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                     result.clocks = clock_summary(sampler.lines) if clocks else None
                 if profile_top and workload is profiled:
                     key = f"{workload.name} / {config}"
-                    try:  # its own limit: a profile cut short leaves the times measured
-                        with time_limit(config_timeout):
-                            profiles[key], timelines[key] = profile_kernels(lambda: workload.run(runner), device,
-                                                                            profile_top)
-                    except ConfigTimeout as error:
-                        print(f"  {workload.name} / {config}: no profile, it {error}", flush=True)
+                    profiles[key], timelines[key] = profile_kernels(lambda: workload.run(runner), device, profile_top)
             except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
                 result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 print(f"  {workload.name} / {config}: {result.error}", flush=True)
@@ -602,9 +570,6 @@ def main(argv=None):
     parser.add_argument("--profile-top", type=int, default=15, help="kernels in the profile (0: no profile)")
     parser.add_argument("--clocks", action="store_true",
                         help="sample SM clock, power and the power cap (nvidia-smi) while each configuration is timed")
-    parser.add_argument("--config-timeout", type=float, default=None,
-                        help="seconds a workload may take in a configuration (compile and timing; its profile "
-                             "again): past them it is reported as an error and the run goes on")
     parser.add_argument("--json", type=Path, help="write the results here (and the plot beside it, .png)")
     args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -658,7 +623,7 @@ def main(argv=None):
         print(f"{label} transformer: {parameters(ltx)} parameters", flush=True)
         _, model_profiles, model_timelines = benchmark_model(
             ltx, workloads, kernelize_diffusers, configs, device, timing, compile_options, workloads[0],
-            args.profile_top, args.clocks, keep, args.config_timeout)
+            args.profile_top, args.clocks, keep)
         profiles.update(model_profiles)
         timelines.update(model_timelines)
         del ltx, workloads
@@ -671,7 +636,7 @@ def main(argv=None):
         # the decode step profiled: where the per-layer small kernels show
         _, model_profiles, model_timelines = benchmark_model(
             qwen, workloads, kernelize_transformers, configs, device, timing, compile_options, workloads[-1],
-            args.profile_top, args.clocks, keep, args.config_timeout)
+            args.profile_top, args.clocks, keep)
         profiles.update(model_profiles)
         timelines.update(model_timelines)
         del qwen, workloads
