@@ -94,7 +94,7 @@ def test_a_run_cut_short_leaves_its_results_so_far(tmp_path, monkeypatch):
 
     def stop_at_the_second_configuration(model):
         calls.append(1)
-        if len(calls) == 3:  # after the eager reference's and the first configuration's
+        if len(calls) == 2:  # eager runs first: its output is the reference, no forward before it
             raise KeyboardInterrupt  # what a timeout's signal amounts to here
         real_unkernelize(model)
 
@@ -182,6 +182,35 @@ def test_compiled_configuration_inductor_ran_without_cuda_graphs_is_an_error(tmp
     assert result["error"] is None and result["ms"] > 0
     # its error is from stock eager's output, though no eager configuration was timed
     assert 0 < result["rel_l2"] < 0.05 and result["max_abs_diff"] > 0, result
+
+
+def test_a_failing_stock_forward_leaves_the_configurations_running(tmp_path, monkeypatch):
+    """Where no eager configuration runs first, the stock eager output is made before the
+    configurations; if that forward fails, they are timed as ever, without their errors."""
+    bench = load_benchmark()
+    real_workloads = bench.ltx_workloads
+
+    def first_call_fails(*args, **kwargs):
+        workloads = real_workloads(*args, **kwargs)
+        for workload in workloads:
+            calls, run = [], workload.run
+
+            def failing(model, calls=calls, run=run):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("CUDA out of memory (simulated)")
+                return run(model)
+            workload.run = failing
+        return workloads
+
+    monkeypatch.setattr(bench, "ltx_workloads", first_call_fails)
+    out = tmp_path / "e2e.json"
+    bench.main(["--tiny", "--device", "cpu", "--models", "ltx", "--configs", "eager+kernels,eager",
+                "--warmup", "0", "--repeats", "1", "--profile-top", "0", "--json", str(out)])
+    by = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    for config in ("eager+kernels", "eager"):
+        assert by[config]["error"] is None and by[config]["ms"] > 0, by[config]
+        assert by[config]["rel_l2"] is None and by[config]["max_abs_diff"] is None, by[config]
 
 
 def test_timeline_merges_overlapping_work_and_counts_the_gaps():
