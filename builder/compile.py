@@ -127,7 +127,7 @@ def _run_one(job: Job) -> JobResult:
     job.obj.parent.mkdir(parents=True, exist_ok=True)
     # The stamp's own write time, in the file system's clock (coarser than time.time()).
     job.stampfile.write_text("")
-    started = job.stampfile.stat().st_mtime
+    started = job.stampfile.stat().st_mtime_ns
     start = time.monotonic()
     proc = subprocess.run(job.cmd, capture_output=True, text=True)
     seconds = time.monotonic() - start
@@ -137,10 +137,12 @@ def _run_one(job: Job) -> JobResult:
             f"{shlex.join(job.cmd)}\n{proc.stdout}{proc.stderr}"
         )
     job.reportfile.write_text(proc.stderr)
+    finished = job.reportfile.stat().st_mtime_ns
     # An input edited while it compiled may not be in the object: no stamp, so the next
-    # build compiles it again. Strictly later: a source written just before the build, in
-    # the clock tick of the stamp's write, is not taken for an edit.
-    edited = any(p.is_file() and p.stat().st_mtime > started for p in _depfile_inputs(job.depfile))
+    # build compiles it again. Edited: written after the stamp's write (a source written
+    # in that clock tick, just before the build, is not taken for one) and not after the
+    # report's (a time in the future, from a copy off a clock ahead, is not either).
+    edited = any(p.is_file() and started < p.stat().st_mtime_ns <= finished for p in _depfile_inputs(job.depfile))
     new_stamp = None if edited else _stamp(job)
     if new_stamp is not None:
         job.stampfile.write_text(new_stamp)

@@ -1,9 +1,11 @@
 """The offline builder: build.toml validation (edition 6, as kernel-builder reads it), arch
 flags, variant names, spill detection."""
 
+import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -400,6 +402,12 @@ def test_a_source_edited_while_it_compiles_is_compiled_again(tmp_path):
     assert build(edit=True) is False
     assert build(edit=False) is False, "the source edited during its compile was taken as up to date"
     assert build(edit=False) is True
+    # a source whose time is ahead of the clock (copied off another machine) is stamped
+    src.write_text("copied\n")
+    ahead = time.time_ns() + 3600 * 10**9
+    os.utime(src, ns=(ahead, ahead))
+    assert build(edit=False) is False
+    assert build(edit=False) is True, "a source dated in the future compiled again at every build"
 
 
 @pytest.mark.rebuilds_build_folder

@@ -41,6 +41,10 @@ GEMMS = [(m, n, k) for m in (5376, 16128) for n, k in ((2048, 2048), (6144, 2048
 MODULATED = ("adaln_fp8", "gated_residual_adaln_fp8")  # their scale, shift (and gate) per batch entry
 
 
+class ShapesError(argparse.ArgumentTypeError, ValueError):
+    """argparse prints an ArgumentTypeError's message (a plain ValueError's it hides)."""
+
+
 def parse_shapes(text):
     """--shapes' "op:AxBxC,..." as SHAPES' (op, shape) pairs; the last dimension is a row's width."""
     ops = {op for op, _ in SHAPES}
@@ -48,15 +52,15 @@ def parse_shapes(text):
     for item in text.split(","):
         op, sep, dims = item.strip().partition(":")
         if op not in ops or not sep:
-            raise ValueError(f"--shapes: {item!r} is not op:AxB... with op one of {', '.join(sorted(ops))}")
+            raise ShapesError(f"{item!r} is not op:AxB... with op one of {', '.join(sorted(ops))}")
         try:
             shape = tuple(int(d) for d in dims.split("x"))
         except ValueError:
             shape = ()
-        if not shape or min(shape) < 1:
-            raise ValueError(f"--shapes: {item!r}: dimensions are positive integers joined by x")
+        if len(shape) < 2 or min(shape) < 1:
+            raise ShapesError(f"{item!r}: rows x width (or more dimensions), positive integers joined by x")
         if op in MODULATED and len(shape) != 3:
-            raise ValueError(f"--shapes: {item!r}: {op} takes batch x tokens x width (a modulation an entry)")
+            raise ShapesError(f"{item!r}: {op} takes batch x tokens x width (a modulation an entry)")
         shapes.append((op, shape))
     return shapes
 
