@@ -18,6 +18,7 @@
   (the smoke run: few rounds, to prove the script runs; the CPU sweep: many).
 """
 
+import importlib.metadata
 import os
 import statistics
 import time
@@ -258,3 +259,15 @@ def time_and_print(impls, sets, nbytes, bandwidth, reps, skipped, peer, notes=No
         versus = f"  {best / best_peer:.3f} of {peer}" if best_peer else ""
         print(f"  {name:{width}s} {' '.join(f'{t:8.2f}' for t in times[name])}  best {best:8.2f} us "
               f"{nbytes / best / 1e3 / bandwidth * 100:5.1f}%{versus}{notes.get(name, '')}")
+
+
+def library_versions(dists: Sequence[str] = ("liger-kernel", "quack-kernels", "triton", "kernels")) -> Dict[str, str]:
+    """torch's version and those of the installed distributions among ``dists`` (the peers a
+    run timed; one not installed is left out)."""
+    versions = {"torch": torch.__version__}
+    for dist in dists:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions

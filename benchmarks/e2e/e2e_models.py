@@ -27,8 +27,9 @@ timed as a graphed forward); the median is reported, with the median host time (
 call returns) and the queued time (a call of as many calls issued back to back with one
 synchronization, as a sampler's steps run: the host's work before a call hidden behind the
 GPU's work of the one before; both in parentheses in the table). Each output is compared
-with stock eager's (the eager configuration's where it runs first, else one untimed forward). Also a torch.profiler breakdown of the kernels of one call per model
-in each configuration (LTX: the first video; Qwen3: the decode step) with, on a GPU, that
+with stock eager's (the eager configuration's where it runs first, else one untimed
+forward). Also a torch.profiler breakdown of the kernels of one call per model in each
+configuration (LTX: the first video; Qwen3: the decode step) with, on a GPU, that
 call's timeline (kernels, busy time, span, gaps), a Markdown table, JSON (--json) and a
 PNG bar chart (matplotlib, if importable). --clocks also records the SM clock, power and how
 often the software power cap held while each configuration was timed (nvidia-smi).
@@ -45,7 +46,6 @@ import argparse
 import contextlib
 import copy
 import hashlib
-import importlib.metadata
 import json
 import platform
 import statistics
@@ -59,6 +59,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from kernels import Mode, get_local_kernel
+
+from benchmarks import harness
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -271,6 +273,12 @@ def clock_summary(lines: List[str]) -> Optional[dict]:
                 power_cap_share=sum(bool(s[2] & SW_POWER_CAP) for s in samples) / len(samples))
 
 
+def error_text(error: BaseException) -> str:
+    """An error as a cell shows it: its type and first line (an empty message too)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def benchmark_model(model, workloads, kernelize, configs, device, timing, compile_options, profiled: Workload,
                     profile_top, clocks=False, on_result: Optional[Callable[[Result], None]] = None
                     ) -> Tuple[List[Result], Dict[str, List[dict]], Dict[str, Optional[dict]]]:
@@ -289,8 +297,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                     eager_outputs[workload.name] = workload.run(model).to(torch.float32, copy=True)
             except Exception as error:  # noqa: BLE001  (the configurations still run)
                 eager_outputs[workload.name] = None
-                print(f"  {workload.name}: no stock eager output to compare with: {type(error).__name__}: "
-                      f"{str(error).splitlines()[0][:200]}", flush=True)
+                print(f"  {workload.name}: no stock eager output to compare with: {error_text(error)}", flush=True)
     for config in configs:
         unkernelize(model)
         torch._dynamo.reset()  # each configuration compiles its own graphs
@@ -308,7 +315,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
             if "torchao-fp8" in config:
                 target = torchao_fp8(model)
         except Exception as error:  # noqa: BLE001  (reported per workload below)
-            setup_error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            setup_error = error_text(error)
         compiled = config.startswith("compile")
         runner = torch.compile(target, dynamic=False, **compile_options) if compiled else target
         graphed = compiled and compile_options.get("mode") in CUDAGRAPH_MODES
@@ -330,7 +337,7 @@ def benchmark_model(model, workloads, kernelize, configs, device, timing, compil
                     key = f"{workload.name} / {config}"
                     profiles[key], timelines[key] = profile_kernels(lambda: workload.run(runner), device, profile_top)
             except Exception as error:  # noqa: BLE001  (report it and go on with the next configuration)
-                result.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                result.error = error_text(error)
                 print(f"  {workload.name} / {config}: {result.error}", flush=True)
             else:
                 eager = eager_outputs.setdefault(workload.name, output) if config == "eager" else \
@@ -520,22 +527,11 @@ def environment(device) -> dict:
     return dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers.__version__,
                 transformers=transformers.__version__, kernels=kernels.__version__, git_rev=rev,
-                source_sha=source_sha(), peers=peer_versions())
+                source_sha=source_sha(), peers=harness.library_versions(PEER_PACKAGES))
 
 
-# The packages beside torch whose code a configuration runs (inductor's Triton, torchao's
-# FP8): None where not installed.
+# The packages beside torch whose code a configuration runs (inductor's Triton, torchao's FP8).
 PEER_PACKAGES = ("triton", "torchao")
-
-
-def peer_versions() -> dict:
-    found = {}
-    for name in PEER_PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 # What kernel-builder generates into the sources at build time (git-ignored): it names the
@@ -653,7 +649,7 @@ def main(argv=None):
         del qwen, workloads
 
     env = environment(device)
-    peers = "".join(f", {name} {version}" for name, version in env["peers"].items() if version)
+    peers = "".join(f", {name} {version}" for name, version in env["peers"].items() if name != "torch")
     print(f"\n{env['device']}, torch {env['torch']}{peers}, {DTYPE}, median of {timing[1]} after {timing[0]} warmup\n")
     print(markdown(results, configs))
     clocked = [r for r in results if r.clocks]

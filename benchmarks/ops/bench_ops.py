@@ -23,7 +23,6 @@ to benchmarks/results/bench_ops[_backward].* (the latest run of each kind is kep
 import argparse
 import datetime
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import sys
@@ -137,16 +136,6 @@ def load_libraries(on_cuda: bool) -> Libraries:
         except Exception as e:  # not installed, or fails to start here (driver, CUDA toolkit)
             libs.missing[key] = f"{type(e).__name__}: {first_line(e)}"
     return libs
-
-
-def library_versions() -> Dict[str, str]:
-    versions = {"torch": torch.__version__}
-    for dist in ("liger-kernel", "quack-kernels", "triton", "kernels"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
 
 
 # --- cases --------------------------------------------------------------------------------
@@ -806,7 +795,7 @@ def main():
     copy_gbs = harness.copy_bandwidth_gbs() if on_cuda else harness.cpu_copy_bandwidth_gbs()
 
     runner = Runner(on_cuda, copy_gbs)
-    versions = library_versions()
+    versions = harness.library_versions()
     runner.emit(f"# bench_ops on {device_name}, {datetime.date.today().isoformat()}")
     runner.emit()
     runner.emit(f"Command: `python -m benchmarks.ops.bench_ops {' '.join(sys.argv[1:])}`; kernel build {ltx.__name__}; "

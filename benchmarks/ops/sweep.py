@@ -579,7 +579,7 @@ def main():
 
     device = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
     report = dict(device=device, on_cuda=on_cuda, date=datetime.date.today().isoformat(), argv=sys.argv[1:],
-                  kernel_build=ltx.__name__, versions=bench_ops.library_versions(), copy_gbs=copy_gbs,
+                  kernel_build=ltx.__name__, versions=harness.library_versions(), copy_gbs=copy_gbs,
                   timing=asdict(timing), budget_s=budget_s, elapsed_s=time.perf_counter() - started,
                   peers_missing=libs.missing, planned=len(plan), not_reached=len(left),
                   not_reached_cells=[asdict(c) for c in left],
