@@ -319,6 +319,20 @@ def check_gated_residual_adaln_fp8(kernel, device, x_shape, mod_shape, dtype, no
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("op", ["adaln_fp8", "gated_residual_adaln_fp8"])
+def test_fp32_decode_rows_fp8(kernel, fp8_device, op, norm):
+    """fp32 rows of 16384 at decode (eight vectors a thread of 512 on CUDA, with y made again
+    for the write): the quantized fp32 output bit for bit."""
+    case = ((2, 1, 16384), (2, 1, 16384))
+    if op == "gated_residual_adaln_fp8":
+        return check_gated_residual_adaln_fp8(kernel, fp8_device, *case, torch.float32, norm)
+    x = make(case[0], torch.float32, fp8_device) + 0.5
+    scale, shift = make(case[1], torch.float32, fp8_device, 0.3), make(case[1], torch.float32, fp8_device, 0.3)
+    q, scales = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm)
+    assert_quantizes(q, scales, kernel.adaln(x, scale, shift, 1e-6, norm=norm))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vecs", MANY_ROWS_VECS)
 def test_gated_residual_adaln_fp8_many_rows(kernel, fp8_device, vecs, dtype, norm):
