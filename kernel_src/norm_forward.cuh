@@ -240,10 +240,12 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // (docs/decisions.md).
   // FP8 AdaLN rows at four vectors preload their scale and shift too: their 512-thread
   // kernel holds one block an SM at up to 128 registers, and the amax pass otherwise waits
-  // on four loads of them in turn after the reductions. So do the decode rows' eight vectors
-  // (kDecodeCachedVecs): their only round trip is the row's.
+  // on four loads of them in turn after the reductions. So do the fp32 decode rows' eight
+  // vectors (kDecodeCachedVecs): their only round trip is the row's. (The tuning harness's
+  // 16-bit rows at eight would spill so.)
+  constexpr bool kDecodeRow = CACHED == kDecodeCachedVecs && sizeof(T) == 4;
   constexpr bool kPreload =
-      CACHED == 1 || CACHED == kDecodeCachedVecs ||
+      CACHED == 1 || kDecodeRow ||
       (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) || (kWeighted && VEC * sizeof(W) == 16))) ||
       (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16) ||
       (CACHED == kCachedVecs && MODULATE && kFp8Out<O>);
@@ -365,7 +367,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     // 16-bit rows with an fp32 weight at four vectors a thread spill keeping y within the
     // 1024-thread bound's 64 registers: they make the cached vectors' y again for the write.
     // So do the decode rows' eight vectors, whose write operands fill the registers.
-    constexpr bool kKeepsY = CACHED != kDecodeCachedVecs &&
+    constexpr bool kKeepsY = !kDecodeRow &&
                              !(CACHED == kCachedVecs && !RESIDUAL && !MODULATE && sizeof(T) == 2 && sizeof(W) == 4);
     float y[kKeepsY ? CACHED : 1][VEC];
     float amax = 0.f;
