@@ -254,10 +254,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
   const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
   const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
-  // Decode rows after a residual add hold the residual and gate beside the row while it
-  // loads: their write operands load after the reductions, in the registers those free.
-  constexpr bool kPreloadLate = kDecodeRow && RESIDUAL;
-  if constexpr (kPreload && !kPreloadLate) {
+  if constexpr (kPreload) {
 #pragma unroll
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
@@ -279,46 +276,10 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   constexpr bool kSquareFirst = KIND == NormKind::kRms;
   constexpr bool kShifted = KIND == NormKind::kLayer;
   constexpr bool kStoreLate = kShifted && RESIDUAL;
-  if constexpr (kPreloadLate) {
-    // Every load ahead of the sums and their stores: a store (which may alias the next
-    // vector's operands) or the gate's branch between them would make each vector wait for
-    // the one before.
-    Vec<T, VEC> rv[CACHED], gv[CACHED];
 #pragma unroll
-    for (int k = 0; k < CACHED; ++k) {
-      const int i = t + k * threads_per_row;
-      if (active && i < nvec) cached[k] = load_vec<T, VEC>(x, i), rv[k] = load_vec<T, VEC>(res, i);
-    }
-    if (gate != nullptr) {
-#pragma unroll
-      for (int k = 0; k < CACHED; ++k) {
-        const int i = t + k * threads_per_row;
-        if (active && i < nvec) gv[k] = load_vec<T, VEC>(gate, i);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < CACHED; ++k) {
-      const int i = t + k * threads_per_row;
-      if (!active || i >= nvec) continue;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float v = to_float(cached[k].v[j]), r = to_float(rv[k].v[j]);
-        cached[k].v[j] = from_float<T>(gate != nullptr ? r + v * to_float(gv[k].v[j]) : r + v);
-      }
-    }
-    if constexpr (!kStoreLate) {
-#pragma unroll
-      for (int k = 0; k < CACHED; ++k) {
-        const int i = t + k * threads_per_row;
-        if (active && i < nvec) store_vec<T, VEC>(res_out, i, cached[k]);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < CACHED; ++k) {
-      const int i = t + k * threads_per_row;
-      if (active && i < nvec) cached[k] = load_row(i, !kStoreLate);
-    }
+  for (int k = 0; k < CACHED; ++k) {
+    const int i = t + k * threads_per_row;
+    if (active && i < nvec) cached[k] = load_row(i, !kStoreLate);
   }
   float first = 0.f;
   if constexpr (kShifted) {
@@ -366,15 +327,6 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       else acc += term;
     }
     sum_sq = row_sum(acc, threads_per_row, scratch[1]);
-  }
-  if constexpr (kPreloadLate) {  // the ops keep residual_out off the weight, scale and shift
-#pragma unroll
-    for (int k = 0; k < CACHED; ++k) {
-      const int i = t + k * threads_per_row;
-      if (!active || i >= nvec) continue;
-      if (weighted) pre_w[k] = load_vec<W, VEC>(p.weight, i);
-      if constexpr (MODULATE) pre_scale[k] = load_vec<T, VEC>(scale, i), pre_shift[k] = load_vec<T, VEC>(shift, i);
-    }
   }
   // The write operands of vector i: the cached vector k's preloads, or (re-read vectors,
   // k < 0, and launches without preloads) loaded.
