@@ -27,16 +27,16 @@ constexpr int max_block(bool residual, bool modulate) { return residual || modul
 //   1  residual rows of up to kOneVecThreads vectors, at two or more rows per SM;
 //   2  rows without a residual of up to 2 * kTwoVecThreads vectors, at few rows per SM;
 //   4  (kCachedVecs) everything else, re-reading what does not fit (from L2);
-//   8  (kDecodeCachedVecs) fp32 fused rows (512 threads) at fewer than two rows per SM that
-//      four vectors a thread do not cover;
+//   8  (kDecodeCachedVecs) AdaLN's fp32 rows (512 threads) at fewer than two rows per SM
+//      that four vectors a thread do not cover;
 //   8  (kWideCachedVecs) plain RMSNorm rows too wide for four, in rms_norm_wide_row_kernel.
 
 // Four loads in flight cover DRAM latency, and 4 x 16 B keep 1024 threads within 64 registers.
 constexpr int kCachedVecs = 4;
-// A decode row is latency-bound: held whole, with its write operands, it takes one memory
-// round trip, where four vectors a thread re-read the rest up to three times (LayerNorm
-// after a residual add). In 16 bits (rows past 16384 elements) eight vectors with their write
-// operands spill.
+// A decode row is latency-bound: held whole, with its scale and shift, it takes one memory
+// round trip, where four vectors a thread re-read the rest (LayerNorm twice). In 16 bits
+// (rows past 16384 elements) eight vectors with their scale and shift spill; after a residual
+// add eight were slower than four (docs/decisions.md).
 constexpr int kDecodeCachedVecs = 8;
 // Residual rows: at four vectors they take 62-64 registers (sm_90), at one at most 48
 // (docs/decisions.md).
@@ -240,9 +240,9 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // (docs/decisions.md).
   // FP8 AdaLN rows at four vectors preload their scale and shift too: their 512-thread
   // kernel holds one block an SM at up to 128 registers, and the amax pass otherwise waits
-  // on four loads of them in turn after the reductions. So do the fp32 decode rows' eight
-  // vectors (kDecodeCachedVecs): their only round trip is the row's. (The tuning harness's
-  // 16-bit rows at eight would spill so.)
+  // on four loads of them in turn after the reductions. So do AdaLN's fp32 decode rows at
+  // eight vectors (kDecodeCachedVecs): their only round trip is the row's. (The tuning
+  // harness's 16-bit rows at eight would spill so.)
   constexpr bool kDecodeRow = CACHED == kDecodeCachedVecs && sizeof(T) == 4;
   constexpr bool kPreload =
       CACHED == 1 || kDecodeRow ||
@@ -1352,8 +1352,8 @@ void launch(const NormArgs& a, cudaStream_t stream) {
              (wide_staged_bytes(nvec) == 0 ||
               (arch >= 800 && wide_staged_bytes(nvec) + 32 * sizeof(float) <= max_shared_per_block(a.device.index())))) {
     cached = kWideCachedVecs;
-  } else if (sizeof(T) == 4 && (RESIDUAL || MODULATE) && vector && !many_rows && nvec > kCachedVecs * max_block(RESIDUAL, MODULATE) &&
-             nvec <= kDecodeCachedVecs * max_block(RESIDUAL, MODULATE)) {
+  } else if (sizeof(T) == 4 && MODULATE && !RESIDUAL && vector && !many_rows &&
+             nvec > kCachedVecs * max_block(RESIDUAL, MODULATE) && nvec <= kDecodeCachedVecs * max_block(RESIDUAL, MODULATE)) {
     cached = kDecodeCachedVecs;
   }
   // Otherwise fewer rows than two per SM (decode-size batches) are latency-bound: one
@@ -1380,7 +1380,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   }
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
   const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
-  if constexpr (sizeof(T) == 4 && (RESIDUAL || MODULATE)) {
+  if constexpr (sizeof(T) == 4 && MODULATE && !RESIDUAL) {
     if (cached == kDecodeCachedVecs) {
       TORCH_INTERNAL_ASSERT(cfg.threads_per_row * kDecodeCachedVecs >= nvec && cfg.block == cfg.threads_per_row,
                             "norm: a decode row of ", nvec, " vectors on ", cfg.threads_per_row, " threads");

@@ -270,9 +270,9 @@ def test_lean_rows(kernel, device, shape, dtype, op, sum_into):
 
 
 # fp32 decode rows of the fused ops (fewer than two rows per SM) that four vectors a thread
-# of 512 threads do not cover, up to eight (norm_forward.cuh, kDecodeCachedVecs), inputs
-# [2, 1, D]: D = 9000 (most threads without an eighth vector), 16384 (eight each); 16388
-# takes four vectors a thread and re-reads the rest.
+# of 512 threads do not cover, inputs [2, 1, D]: AdaLN's take up to eight a thread
+# (norm_forward.cuh, kDecodeCachedVecs): D = 9000 (most threads without an eighth vector),
+# 16384 (eight each); at 16388, and after a residual add, four re-read the rest.
 @pytest.mark.parametrize("op, sum_into", LEAN_OPS, ids=str)
 @pytest.mark.parametrize("shape", [(1, 9000), (1, 16384), (1, 16388)], ids=shape_id)
 def test_fp32_decode_rows(kernel, device, shape, op, sum_into):

@@ -162,13 +162,8 @@ void launch_modulated(const NormArgs& a, cudaStream_t stream, int cached, int pe
     case 2: return launch_variant<T, T, T, 2, RESIDUAL, KIND, true>(a, stream, per_thread, block);
     case 4: return launch_variant<T, T, T, 4, RESIDUAL, KIND, true>(a, stream, per_thread, block);
     // a decode row of up to 8 x 512 vectors held in registers (fp32 rows past 2048 vectors
-    // re-read their tail at four); fp32 LayerNorm after the residual add spills there
-    case 8:
-      if constexpr (sizeof(T) == 4 && RESIDUAL && KIND == NormKind::kLayer) {
-        TORCH_CHECK(false, "norm_variants: fp32 LayerNorm rows after a residual add spill at 8 vectors a thread");
-      } else {
-        return launch_variant<T, T, T, 8, RESIDUAL, KIND, true>(a, stream, per_thread, block);
-      }
+    // re-read their tail at four)
+    case 8: return launch_variant<T, T, T, 8, RESIDUAL, KIND, true>(a, stream, per_thread, block);
     default: TORCH_CHECK(false, "norm_variants: AdaLN rows at 0, 1, 2, 4, 8 or kLean, not ", cached);
   }
 }
