@@ -27,14 +27,15 @@ constexpr int max_block(bool residual, bool modulate) { return residual || modul
 //   1  residual rows of up to kOneVecThreads vectors, at two or more rows per SM;
 //   2  rows without a residual of up to 2 * kTwoVecThreads vectors, at few rows per SM;
 //   4  (kCachedVecs) everything else, re-reading what does not fit (from L2);
-//   8  (kDecodeCachedVecs) AdaLN's fp32 rows (512 threads) at fewer than two rows per SM
-//      that four vectors a thread do not cover;
+//   8  (kDecodeCachedVecs) AdaLN's fp32 rows (512 threads) at most one per SM that four
+//      vectors a thread do not cover;
 //   8  (kWideCachedVecs) plain RMSNorm rows too wide for four, in rms_norm_wide_row_kernel.
 
 // Four loads in flight cover DRAM latency, and 4 x 16 B keep 1024 threads within 64 registers.
 constexpr int kCachedVecs = 4;
 // A decode row is latency-bound: held whole, with its scale and shift, it takes one memory
-// round trip, where four vectors a thread re-read the rest (LayerNorm twice). In 16 bits
+// round trip, where four vectors a thread re-read the rest (LayerNorm twice). At up to 128
+// registers one block fits an SM (four hold two): at most one row per SM. In 16 bits
 // (rows past 16384 elements) eight vectors with their scale and shift spill; after a residual
 // add eight were slower than four (docs/decisions.md).
 constexpr int kDecodeCachedVecs = 8;
@@ -1352,7 +1353,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
              (wide_staged_bytes(nvec) == 0 ||
               (arch >= 800 && wide_staged_bytes(nvec) + 32 * sizeof(float) <= max_shared_per_block(a.device.index())))) {
     cached = kWideCachedVecs;
-  } else if (sizeof(T) == 4 && MODULATE && !RESIDUAL && vector && !many_rows &&
+  } else if (sizeof(T) == 4 && MODULATE && !RESIDUAL && vector && a.rows <= sms &&
              nvec > kCachedVecs * max_block(RESIDUAL, MODULATE) && nvec <= kDecodeCachedVecs * max_block(RESIDUAL, MODULATE)) {
     cached = kDecodeCachedVecs;
   }

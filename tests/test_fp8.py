@@ -320,11 +320,12 @@ def check_gated_residual_adaln_fp8(kernel, device, x_shape, mod_shape, dtype, no
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("op", ["adaln_fp8", "gated_residual_adaln_fp8"])
-def test_fp32_decode_rows_fp8(kernel, fp8_device, op, norm):
-    """fp32 rows of 16384 at decode (AdaLN's: eight vectors a thread of 512 on CUDA, y made
-    again for the write; after the gated residual four, the rest re-read): the quantized fp32
-    output bit for bit."""
-    case = ((2, 1, 16384), (2, 1, 16384))
+@pytest.mark.parametrize("d", [16000, 16384])
+def test_fp32_decode_rows_fp8(kernel, fp8_device, op, norm, d):
+    """fp32 decode rows of 16000 and 16384 (AdaLN's: eight vectors a thread of 512 on CUDA,
+    threads 416-511 without an eighth at 16000, y made again for the write; after the gated
+    residual four, the rest re-read): the quantized fp32 output bit for bit."""
+    case = ((2, 1, d), (2, 1, d))
     if op == "gated_residual_adaln_fp8":
         return check_gated_residual_adaln_fp8(kernel, fp8_device, *case, torch.float32, norm)
     x = make(case[0], torch.float32, fp8_device) + 0.5

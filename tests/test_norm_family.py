@@ -269,12 +269,12 @@ def test_lean_rows(kernel, device, shape, dtype, op, sum_into):
     check_norm_op(kernel, device, shape, dtype, op, sum_into)
 
 
-# fp32 decode rows of the fused ops (fewer than two rows per SM) that four vectors a thread
-# of 512 threads do not cover, inputs [2, 1, D]: AdaLN's take up to eight a thread
-# (norm_forward.cuh, kDecodeCachedVecs): D = 9000 (most threads without an eighth vector),
-# 16384 (eight each); at 16388, and after a residual add, four re-read the rest.
+# The norm family's fp32 decode rows (two rows) that four vectors a thread of 512 threads do
+# not cover, inputs [2, 1, D]: AdaLN's take up to eight a thread (norm_forward.cuh,
+# kDecodeCachedVecs): D = 16000 (threads 416-511 without an eighth vector), 16384 (eight
+# each); at 16388, and after a residual add, four re-read the rest.
 @pytest.mark.parametrize("op, sum_into", LEAN_OPS, ids=str)
-@pytest.mark.parametrize("shape", [(1, 9000), (1, 16384), (1, 16388)], ids=shape_id)
+@pytest.mark.parametrize("shape", [(1, 16000), (1, 16384), (1, 16388)], ids=shape_id)
 def test_fp32_decode_rows(kernel, device, shape, op, sum_into):
     check_norm_op(kernel, device, shape, torch.float32, op, sum_into)
 
@@ -324,7 +324,8 @@ def check_norm_op(kernel, device, shape, dtype, op, sum_into):
 # AdaLN's output is the same bits whether its forward saves the row statistics (as autograd's
 # does) or not, and the statistics match fp64's, on decode rows, rows of 128-512 and rows of
 # one to four vectors a thread at 512 threads (the lean kernel on CUDA), and on rows of 1024
-# at two rows per SM and more (norm_kernel); fp32 decode rows of eight vectors a thread.
+# at two rows per SM and more (norm_kernel); fp32 decode rows of 16384 (adaln's at eight
+# vectors a thread).
 @pytest.mark.parametrize("op", ["adaln", "gated_residual_adaln"])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("shape, dtype", [(shape, dtype) for dtype in LOW for shape in [
