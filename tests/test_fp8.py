@@ -250,16 +250,21 @@ ADALN_CASES = [((2, 7, 64), (2, 1, 64)), ((3, 40, 1024), (1024,)), ((2, 5, 96), 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ADALN_CASES, ids=str)
 def test_adaln_fp8(kernel, fp8_device, case, dtype, norm):
-    x_shape, mod_shape = case
-    x = make(x_shape, dtype, fp8_device) + 0.5
-    scale, shift = make(mod_shape, dtype, fp8_device, 0.3), make(mod_shape, dtype, fp8_device, 0.3)
+    check_adaln_fp8(kernel, fp8_device, *case, dtype, norm)
+
+
+def check_adaln_fp8(kernel, device, x_shape, mod_shape, dtype, norm):
+    """q and scales quantize adaln's y in fp32 (where it is defined bit for bit, adaln_fp32),
+    within one e4m3 step of fp64 everywhere; a static scale is returned as given."""
+    x = make(x_shape, dtype, device) + 0.5
+    scale, shift = make(mod_shape, dtype, device, 0.3), make(mod_shape, dtype, device, 0.3)
     q, scales = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm)
     assert q.dtype == FP8 and q.is_contiguous() and q.shape == x.shape and scales.shape == (*x.shape[:-1], 1)
-    y = adaln_fp32(kernel, fp8_device, dtype, x, scale, shift, 1e-6, norm)
+    y = adaln_fp32(kernel, device, dtype, x, scale, shift, 1e-6, norm)
     if y is not None:
         assert_quantizes(q, scales, y)
     assert_within_one_step(q, scales, adaln64(x, scale, shift, 1e-6, norm))
-    fixed = torch.tensor([0.01], device=fp8_device)
+    fixed = torch.tensor([0.01], device=device)
     q_static, s = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm, fp8_scale=fixed)
     assert s is fixed
     if y is not None:
@@ -325,13 +330,8 @@ def test_fp32_decode_rows_fp8(kernel, fp8_device, op, norm, d):
     """fp32 decode rows of 16000 and 16384 (AdaLN's: eight vectors a thread of 512 on CUDA,
     threads 416-511 without an eighth at 16000, y made again for the write; after the gated
     residual four, the rest re-read): the quantized fp32 output bit for bit."""
-    case = ((2, 1, d), (2, 1, d))
-    if op == "gated_residual_adaln_fp8":
-        return check_gated_residual_adaln_fp8(kernel, fp8_device, *case, torch.float32, norm)
-    x = make(case[0], torch.float32, fp8_device) + 0.5
-    scale, shift = make(case[1], torch.float32, fp8_device, 0.3), make(case[1], torch.float32, fp8_device, 0.3)
-    q, scales = kernel.adaln_fp8(x, scale, shift, 1e-6, norm=norm)
-    assert_quantizes(q, scales, kernel.adaln(x, scale, shift, 1e-6, norm=norm))
+    check = check_adaln_fp8 if op == "adaln_fp8" else check_gated_residual_adaln_fp8
+    check(kernel, fp8_device, (2, 1, d), (2, 1, d), torch.float32, norm)
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
