@@ -27,20 +27,19 @@ constexpr int max_block(bool residual, bool modulate) { return residual || modul
 //   1  residual rows of up to kOneVecThreads vectors, at two or more rows per SM;
 //   2  rows without a residual of up to 2 * kTwoVecThreads vectors, at few rows per SM;
 //   4  (kCachedVecs) everything else, re-reading what does not fit (from L2);
-//   8  (kDecodeCachedVecs) AdaLN's fp32 rows (512 threads) at most one per SM that four
-//      vectors a thread do not cover;
+//   8  (kDecodeCachedVecs) the fused ops' fp32 rows (512 threads) at most one per SM that
+//      four vectors a thread do not cover;
 //   8  (kWideCachedVecs) plain RMSNorm rows too wide for four, in rms_norm_wide_row_kernel.
 
 // Four loads in flight cover DRAM latency, and 4 x 16 B keep 1024 threads within 64 registers.
 constexpr int kCachedVecs = 4;
 // A decode row is latency-bound: held whole, with its scale and shift, it takes one memory
 // round trip, where four vectors a thread re-read the rest (LayerNorm twice). At up to 128
-// registers one block fits an SM (four hold two): at most one row per SM. In 16 bits
-// (rows past 16384 elements) eight vectors with their scale and shift spill; after a residual
-// add eight were slower than four (docs/decisions.md).
+// registers one block fits an SM: at most one row per SM. In 16 bits (rows past 16384
+// elements) eight vectors with their scale and shift spill (docs/decisions.md).
 constexpr int kDecodeCachedVecs = 8;
-// Residual rows: at four vectors they take 62-64 registers (sm_90), at one at most 48
-// (docs/decisions.md).
+// Residual rows: at four vectors, loads first, they take 80-112 registers (sm_90: one
+// 512-thread block an SM), at one at most 48 (docs/decisions.md).
 constexpr int kOneVecThreads = 256;
 // Blocks per SM of one-vector rows: an unweighted row fits 32 registers, a full SM; the
 // weighted fused add would spill there (docs/decisions.md).
@@ -241,12 +240,17 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   // (docs/decisions.md).
   // FP8 AdaLN rows at four vectors preload their scale and shift too: their 512-thread
   // kernel holds one block an SM at up to 128 registers, and the amax pass otherwise waits
-  // on four loads of them in turn after the reductions. So do AdaLN's fp32 decode rows at
+  // on four loads of them in turn after the reductions. So do the fp32 decode rows at
   // eight vectors (kDecodeCachedVecs): their only round trip is the row's. (The tuning
   // harness's 16-bit rows at eight would spill so.)
   constexpr bool kDecodeRow = CACHED == kDecodeCachedVecs && sizeof(T) == 4;
+  // Rows of several full vectors after a residual add load the row, residual and gate of
+  // every vector before the first sum (a store or the gate's branch between two vectors
+  // would make each wait for the one before), and their write operands after the
+  // reductions, in the registers those free.
+  constexpr bool kLoadsFirst = RESIDUAL && (kDecodeRow || (CACHED == kCachedVecs && VEC * sizeof(T) == 16));
   constexpr bool kPreload =
-      CACHED == 1 || kDecodeRow ||
+      CACHED == 1 || kDecodeRow || kLoadsFirst ||
       (CACHED == 2 && ((MODULATE && modulated_preload<T>(kDeviceArch, KIND)) || (kWeighted && VEC * sizeof(W) == 16))) ||
       (CACHED == kCachedVecs && !RESIDUAL && !MODULATE && kWeighted && VEC * sizeof(W) == 16) ||
       (CACHED == kCachedVecs && MODULATE && kFp8Out<O>);
@@ -255,7 +259,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   Vec<T, VEC> pre_scale[kPre], pre_shift[kPre];
   const T* scale = MODULATE ? p.scale + batch * p.scale_batch + token * p.scale_token : nullptr;
   const T* shift = MODULATE ? p.shift + batch * p.shift_batch + token * p.shift_token : nullptr;
-  if constexpr (kPreload) {
+  if constexpr (kPreload && !kLoadsFirst) {
 #pragma unroll
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
@@ -277,10 +281,43 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   constexpr bool kSquareFirst = KIND == NormKind::kRms;
   constexpr bool kShifted = KIND == NormKind::kLayer;
   constexpr bool kStoreLate = kShifted && RESIDUAL;
+  if constexpr (kLoadsFirst) {
+    Vec<T, VEC> rv[CACHED], gv[CACHED];
 #pragma unroll
-  for (int k = 0; k < CACHED; ++k) {
-    const int i = t + k * threads_per_row;
-    if (active && i < nvec) cached[k] = load_row(i, !kStoreLate);
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (active && i < nvec) cached[k] = load_vec<T, VEC>(x, i), rv[k] = load_vec<T, VEC>(res, i);
+    }
+    if (gate != nullptr) {
+#pragma unroll
+      for (int k = 0; k < CACHED; ++k) {
+        const int i = t + k * threads_per_row;
+        if (active && i < nvec) gv[k] = load_vec<T, VEC>(gate, i);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (!active || i >= nvec) continue;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float v = to_float(cached[k].v[j]), r = to_float(rv[k].v[j]);
+        cached[k].v[j] = from_float<T>(gate != nullptr ? r + v * to_float(gv[k].v[j]) : r + v);
+      }
+    }
+    if constexpr (!kStoreLate) {
+#pragma unroll
+      for (int k = 0; k < CACHED; ++k) {
+        const int i = t + k * threads_per_row;
+        if (active && i < nvec) store_vec<T, VEC>(res_out, i, cached[k]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (active && i < nvec) cached[k] = load_row(i, !kStoreLate);
+    }
   }
   float first = 0.f;
   if constexpr (kShifted) {
@@ -328,6 +365,15 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       else acc += term;
     }
     sum_sq = row_sum(acc, threads_per_row, scratch[1]);
+  }
+  if constexpr (kLoadsFirst) {  // the ops keep residual_out off the weight, scale and shift
+#pragma unroll
+    for (int k = 0; k < CACHED; ++k) {
+      const int i = t + k * threads_per_row;
+      if (!active || i >= nvec) continue;
+      if (weighted) pre_w[k] = load_vec<W, VEC>(p.weight, i);
+      if constexpr (MODULATE) pre_scale[k] = load_vec<T, VEC>(scale, i), pre_shift[k] = load_vec<T, VEC>(shift, i);
+    }
   }
   // The write operands of vector i: the cached vector k's preloads, or (re-read vectors,
   // k < 0, and launches without preloads) loaded.
@@ -1353,7 +1399,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
              (wide_staged_bytes(nvec) == 0 ||
               (arch >= 800 && wide_staged_bytes(nvec) + 32 * sizeof(float) <= max_shared_per_block(a.device.index())))) {
     cached = kWideCachedVecs;
-  } else if (sizeof(T) == 4 && MODULATE && !RESIDUAL && vector && a.rows <= sms &&
+  } else if (sizeof(T) == 4 && (MODULATE || RESIDUAL) && vector && a.rows <= sms &&
              nvec > kCachedVecs * max_block(RESIDUAL, MODULATE) && nvec <= kDecodeCachedVecs * max_block(RESIDUAL, MODULATE)) {
     cached = kDecodeCachedVecs;
   }
@@ -1381,7 +1427,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   }
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
   const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
-  if constexpr (sizeof(T) == 4 && MODULATE && !RESIDUAL) {
+  if constexpr (sizeof(T) == 4 && (MODULATE || RESIDUAL)) {
     if (cached == kDecodeCachedVecs) {
       TORCH_INTERNAL_ASSERT(cfg.threads_per_row * kDecodeCachedVecs >= nvec && cfg.block == cfg.threads_per_row,
                             "norm: a decode row of ", nvec, " vectors on ", cfg.threads_per_row, " threads");

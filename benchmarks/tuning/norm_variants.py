@@ -30,7 +30,7 @@ launches and the lean kernel's, lP.B: P vectors a thread, rows sharing blocks of
 `--shapes fp32-decode` times AdaLN's fp32 decode rows past 2048 vectors (1x16384, 1x8192,
 8x16384; the four AdaLN ops, `--ops` to choose) the same way: production, norm_kernel at
 four vectors a thread over 512 threads (the tail re-read) and at eight (`8/0/0`: the row
-held in registers, production's launch for AdaLN without a residual add).
+held in registers, production's launch).
 
 `--shapes fp8` (compute capability 8.9 or newer) times rms_norm_fp8's rows (FP8 out, an fp32
 scale a row; its argument layout, the fp32 weight, is the package op's) at the model shapes,
