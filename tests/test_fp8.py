@@ -327,9 +327,9 @@ def check_gated_residual_adaln_fp8(kernel, device, x_shape, mod_shape, dtype, no
 @pytest.mark.parametrize("op", ["adaln_fp8", "gated_residual_adaln_fp8"])
 @pytest.mark.parametrize("d", [16000, 16384])
 def test_fp32_decode_rows_fp8(kernel, fp8_device, op, norm, d):
-    """fp32 decode rows of 16000 and 16384 (AdaLN's: eight vectors a thread of 512 on CUDA,
-    threads 416-511 without an eighth at 16000, y made again for the write; after the gated
-    residual four, the rest re-read): the quantized fp32 output bit for bit."""
+    """fp32 decode rows of 16000 and 16384 (eight vectors a thread of 512 on CUDA, threads
+    416-511 without an eighth at 16000, y made again for the write; after the gated residual
+    with every vector's loads first): the quantized fp32 output bit for bit."""
     check = check_adaln_fp8 if op == "adaln_fp8" else check_gated_residual_adaln_fp8
     check(kernel, fp8_device, (2, 1, d), (2, 1, d), torch.float32, norm)
 

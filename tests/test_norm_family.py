@@ -270,9 +270,10 @@ def test_lean_rows(kernel, device, shape, dtype, op, sum_into):
 
 
 # The norm family's fp32 decode rows (two rows) that four vectors a thread of 512 threads do
-# not cover, inputs [2, 1, D]: AdaLN's take up to eight a thread (norm_forward.cuh,
-# kDecodeCachedVecs): D = 16000 (threads 416-511 without an eighth vector), 16384 (eight
-# each); at 16388, and after a residual add, four re-read the rest.
+# not cover, inputs [2, 1, D]: the fused ops' take up to eight a thread (norm_forward.cuh,
+# kDecodeCachedVecs; after a residual add with every vector's loads first): D = 16000
+# (threads 416-511 without an eighth vector), 16384 (eight each); at 16388 four re-read the
+# rest.
 @pytest.mark.parametrize("op, sum_into", LEAN_OPS, ids=str)
 @pytest.mark.parametrize("shape", [(1, 16000), (1, 16384), (1, 16388)], ids=shape_id)
 def test_fp32_decode_rows(kernel, device, shape, op, sum_into):
@@ -312,7 +313,7 @@ def check_norm_op(kernel, device, shape, dtype, op, sum_into):
             h, y = kernel.gated_residual_adaln(res, x, gate, scale, shift, 1e-6, norm=norm,
                                                residual_out=residual_out, out=out)
             assert h is residual_out and y is out
-        if dtype == torch.float32:  # the fp64 sum's two roundings against the kernel's fma
+        if dtype == torch.float32:  # the fp64 reference's roundings against the kernel's fp32 ones
             assert_close(h, h_ref, dtype)
         else:
             assert torch.equal(h, h_ref)
