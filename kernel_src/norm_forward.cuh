@@ -33,10 +33,11 @@ constexpr int max_block(bool residual, bool modulate) { return residual || modul
 
 // Four loads in flight cover DRAM latency, and 4 x 16 B keep 1024 threads within 64 registers.
 constexpr int kCachedVecs = 4;
-// A decode row is latency-bound: held whole, with its scale and shift, it takes one memory
-// round trip, where four vectors a thread re-read the rest (LayerNorm twice). At up to 128
-// registers one block fits an SM: at most one row per SM. In 16 bits (rows past 16384
-// elements) eight vectors with their scale and shift spill (docs/decisions.md).
+// A decode row is latency-bound: held whole, with its write operands, it takes one memory
+// round trip, where four vectors a thread re-read the rest (up to three times: LayerNorm
+// after a residual add). At up to 128 registers one block fits an SM: at most one row per
+// SM. In 16 bits (rows past 16384 elements) eight vectors with their write operands spill
+// (docs/decisions.md).
 constexpr int kDecodeCachedVecs = 8;
 // Residual rows: at four vectors, loads first, they take 80-112 registers (sm_90: one
 // 512-thread block an SM), at one at most 48 (docs/decisions.md).
@@ -1399,7 +1400,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
              (wide_staged_bytes(nvec) == 0 ||
               (arch >= 800 && wide_staged_bytes(nvec) + 32 * sizeof(float) <= max_shared_per_block(a.device.index())))) {
     cached = kWideCachedVecs;
-  } else if (sizeof(T) == 4 && (MODULATE || RESIDUAL) && vector && a.rows <= sms &&
+  } else if (sizeof(T) == 4 && (RESIDUAL || MODULATE) && vector && a.rows <= sms &&
              nvec > kCachedVecs * max_block(RESIDUAL, MODULATE) && nvec <= kDecodeCachedVecs * max_block(RESIDUAL, MODULATE)) {
     cached = kDecodeCachedVecs;
   }
@@ -1427,7 +1428,7 @@ void launch(const NormArgs& a, cudaStream_t stream) {
   }
   TORCH_INTERNAL_ASSERT(!MODULATE || a.weight == nullptr, "norm: AdaLN takes no weight");
   const auto run = [&](auto kernel) { launch_norm_rows(kernel, a, cfg, stream); };
-  if constexpr (sizeof(T) == 4 && (MODULATE || RESIDUAL)) {
+  if constexpr (sizeof(T) == 4 && (RESIDUAL || MODULATE)) {
     if (cached == kDecodeCachedVecs) {
       TORCH_INTERNAL_ASSERT(cfg.threads_per_row * kDecodeCachedVecs >= nvec && cfg.block == cfg.threads_per_row,
                             "norm: a decode row of ", nvec, " vectors on ", cfg.threads_per_row, " threads");
