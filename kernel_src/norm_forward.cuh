@@ -127,6 +127,16 @@ constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, b
   return cached == 2 ? kTwoVecMinBlocks : fp8 ? 1 : 0;
 }
 
+// The row's value after a residual add: residual + x (* gate if gated), rounded to T.
+template <typename T, int VEC>
+__device__ __forceinline__ void add_residual(Vec<T, VEC>& v, const Vec<T, VEC>& residual, const Vec<T, VEC>& gate,
+                                             bool gated) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j)
+    v.v[j] = from_float<T>(gated ? to_float(residual.v[j]) + to_float(v.v[j]) * to_float(gate.v[j])
+                                 : to_float(residual.v[j]) + to_float(v.v[j]));
+}
+
 // A vector's sum of (x - shift), or of its squares, in element order.
 template <typename T, int VEC>
 __device__ __forceinline__ float vec_sum(const Vec<T, VEC>& v, float shift, bool square) {
@@ -214,14 +224,10 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     Vec<T, VEC> v = load_vec<T, VEC>(x, i);
     if constexpr (RESIDUAL) {
       const Vec<T, VEC> rv = load_vec<T, VEC>(res, i);
-      if (gate != nullptr) {
-        const Vec<T, VEC> g = load_vec<T, VEC>(gate, i);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]));
-      }
+      // The gate's branch outside the sum: the one- and two-vector rows' kernels sit at
+      // their register bounds.
+      if (gate != nullptr) add_residual(v, rv, load_vec<T, VEC>(gate, i), true);
+      else add_residual(v, rv, rv, false);
       if (store) store_vec<T, VEC>(res_out, i, v);
     }
     return v;
@@ -300,11 +306,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
       if (!active || i >= nvec) continue;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float v = to_float(cached[k].v[j]), r = to_float(rv[k].v[j]);
-        cached[k].v[j] = from_float<T>(gate != nullptr ? r + v * to_float(gv[k].v[j]) : r + v);
-      }
+      add_residual(cached[k], rv[k], gv[k], gate != nullptr);
     }
     if constexpr (!kStoreLate) {
 #pragma unroll
@@ -722,8 +724,7 @@ __global__ void __launch_bounds__(kGatedResidualBlock) gated_residual_kernel(con
     const Vec<T, VEC> g = load_vec<T, VEC>(
         p.gate + static_cast<Index>(batch) * static_cast<Index>(p.gate_batch) +
             static_cast<Index>(token) * static_cast<Index>(p.gate_token), i);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v.v[j] = from_float<T>(to_float(rv.v[j]) + to_float(v.v[j]) * to_float(g.v[j]));
+    add_residual(v, rv, g, true);
     store_vec<T, VEC>(p.residual_out + r * static_cast<Index>(p.residual_out_stride), i, v);
     if constexpr (ONE_PASS) break;
   }
