@@ -127,7 +127,8 @@ constexpr int bound_min_blocks(int cached, bool weighted, bool layer_residual, b
   return cached == 2 ? kTwoVecMinBlocks : fp8 ? 1 : 0;
 }
 
-// The row's value after a residual add: residual + x (* gate if gated), rounded to T.
+// The row's value after a residual add: residual + x (* gate if gated; else gate is not
+// read), rounded to T.
 template <typename T, int VEC>
 __device__ __forceinline__ void add_residual(Vec<T, VEC>& v, const Vec<T, VEC>& residual, const Vec<T, VEC>& gate,
                                              bool gated) {
