@@ -2,11 +2,11 @@
 // column slice of bwd_vecs vectors per thread and walks a fixed set of rows of one group,
 // keeping its slice of x and dy in registers and adding its slice of the column grads into
 // fp32 shared memory (each thread its own slots: no atomics, no races); it then writes one
-// partial row per column grad, which column_sum_kernel adds up in a fixed order. Rows wider
-// than one slice are split over blockIdx.x: on sm_90 the slices of a row are one cluster's
-// blocks, which exchange their row sums through distributed shared memory; elsewhere (or
-// past 8 slices) each block reads the whole row for the row sums (the other slices' reads
-// partly hit L2). The measurements behind the launch constants, and the alternatives they
+// partial row per column grad, which column_sum_kernel adds up in a fixed order (a grid of
+// one row block writes the sums themselves). Rows wider than one slice are split over
+// blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange their
+// row sums through distributed shared memory; elsewhere (or past 8 slices) each block reads
+// the whole row for the row sums (the other slices' reads partly hit L2). The measurements behind the launch constants, and the alternatives they
 // beat, are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
@@ -75,6 +75,9 @@ struct NormBwdParams {
   T* gate_input_grad;     // [rows, cols] contiguous
   T* gate_rows;           // [rows, cols] contiguous, or nullptr
   float* gate_partial;    // [groups, gridDim.y, cols], or nullptr
+  // Bit k set: partial k (factor, shift, gate) is the grad's [groups, cols] sums of dtype T
+  // itself (one row block: no column_sum_kernel), rounded here.
+  unsigned rounded_partials;
   int64_t gate_batch, gate_token, gate_input_stride;
   int64_t scale_batch, scale_token;
   int64_t group_rows;
@@ -484,7 +487,11 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) sum.v[j] += other[j];
       }
-      store_vec<float, VEC>(partials[which] + partial_row, i, sum);
+      if (p.rounded_partials >> which & 1) {
+        store_vec<T, VEC>(reinterpret_cast<T*>(partials[which]) + partial_row, i, from_floats<T>(sum.v));
+      } else {
+        store_vec<float, VEC>(partials[which] + partial_row, i, sum);
+      }
     }
   }
 }
@@ -630,19 +637,21 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   std::array<ColumnGrad, 3> column_grads{{{a.factor_sums, a.factor_sums_fp32, nullptr},
                                           {a.shift_sums, a.shift_sums_fp32, nullptr},
                                           {a.gate_sums, a.gate_sums_fp32, nullptr}}};
-  // With one row block the partial rows are the sums themselves, if they are fp32.
-  const bool sums_direct = row_blocks == 1 && std::all_of(column_grads.begin(), column_grads.end(), [](auto& g) {
-                             return g.sums == nullptr || g.fp32;
-                           });
+  // With one row block the partial rows are the sums themselves: the kernel writes them
+  // (16-bit ones rounded), and column_sum_kernel, a second launch, is not needed.
+  const bool sums_direct = row_blocks == 1;
+  unsigned rounded_partials = 0;
   at::Tensor partial;
   if (sums) {
     const int64_t per = groups * row_blocks * a.cols;
     const auto buffers = std::count_if(column_grads.begin(), column_grads.end(), [](auto& g) { return g.sums; });
     if (!sums_direct) partial = at::empty({buffers * per}, at::TensorOptions().device(a.device).dtype(at::kFloat));
     float* next = sums_direct ? nullptr : partial.mutable_data_ptr<float>();
-    for (ColumnGrad& g : column_grads) {
+    for (std::size_t k = 0; k < column_grads.size(); ++k) {
+      ColumnGrad& g = column_grads[k];
       if (g.sums == nullptr) continue;
       g.partial = sums_direct ? static_cast<float*>(g.sums) : next;
+      if (sums_direct && !g.fp32) rounded_partials |= 1u << k;
       if (!sums_direct) next += per;
     }
   }
@@ -654,7 +663,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  column_grads[0].partial, column_grads[1].partial,
                                  static_cast<const T*>(a.gate.ptr), static_cast<const T*>(a.gate_input),
                                  static_cast<T*>(a.gate_input_grad), static_cast<T*>(a.gate_rows),
-                                 column_grads[2].partial, a.gate.batch_stride, a.gate.token_stride,
+                                 column_grads[2].partial, rounded_partials, a.gate.batch_stride, a.gate.token_stride,
                                  a.gate_input_stride,
                                  a.scale.batch_stride, a.scale.token_stride, a.group_rows,
                                  a.input_stride, a.grad_out_stride, a.grad_extra_stride, static_cast<int>(a.cols),

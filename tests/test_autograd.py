@@ -264,8 +264,18 @@ def test_grads_of_128_thread_rows_sharing_a_block(kernel, device, op, dtype):
     _check_grads_of_rows(kernel, device, op, dtype, 4096 if wide else 2048)
 
 
-def _check_grads_of_rows(kernel, device, op, dtype, cols):
-    (x,) = _leaves(device, dtype, (2, 301, cols))
+# One or two rows per batch entry: one row block per entry, which writes the column grads
+# itself (16-bit ones rounded there) rather than partial rows for column_sum_kernel.
+@pytest.mark.parametrize("op", SHARING_OPS)
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grads_of_one_row_block(kernel, device, op, tokens, dtype):
+    wide = dtype != torch.float32 and op != "rms_norm_fp32_out"
+    _check_grads_of_rows(kernel, device, op, dtype, 4096 if wide else 2048, tokens)
+
+
+def _check_grads_of_rows(kernel, device, op, dtype, cols, tokens=301):
+    (x,) = _leaves(device, dtype, (2, tokens, cols))
     per_batch = (2, 1, cols)
     if op == "rms_norm":
         (w,) = _leaves(device, dtype, (cols,))
