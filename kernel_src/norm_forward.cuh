@@ -290,24 +290,44 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   constexpr bool kShifted = KIND == NormKind::kLayer;
   constexpr bool kStoreLate = kShifted && RESIDUAL;
   if constexpr (kLoadsFirst) {
-    Vec<T, VEC> rv[CACHED], gv[CACHED];
+    // 16-bit vectors are loaded as 32-bit words (Held) and made vectors only after every
+    // load is out: loaded as vectors of 16-bit values, each was copied after its predicated
+    // load, and that copy, waiting for the load, came before the next load (fp16 on sm_90).
+    constexpr bool kWords = sizeof(T) == 2 && sizeof(Vec<T, VEC>) == sizeof(uint4);
+    using Held = std::conditional_t<kWords, uint4, Vec<T, VEC>>;
+    const auto load_held = [](const T* base, int i) { return reinterpret_cast<const Held*>(base)[i]; };
+    const auto as_vec = [](const Held& held) {
+      if constexpr (kWords) {
+        Vec<T, VEC> v;
+        *reinterpret_cast<Held*>(&v) = held;
+        return v;
+      } else {
+        return held;
+      }
+    };
+    Held xw[CACHED], rw[CACHED], gw[CACHED];
 #pragma unroll
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
-      if (active && i < nvec) cached[k] = load_vec<T, VEC>(x, i), rv[k] = load_vec<T, VEC>(res, i);
+      if (active && i < nvec) {
+        if constexpr (kWords) xw[k] = load_held(x, i);
+        else cached[k] = load_held(x, i);  // fp32: into the cache, where its loads issue first as they are
+        rw[k] = load_held(res, i);
+      }
     }
     if (gate != nullptr) {
 #pragma unroll
       for (int k = 0; k < CACHED; ++k) {
         const int i = t + k * threads_per_row;
-        if (active && i < nvec) gv[k] = load_vec<T, VEC>(gate, i);
+        if (active && i < nvec) gw[k] = load_held(gate, i);
       }
     }
 #pragma unroll
     for (int k = 0; k < CACHED; ++k) {
       const int i = t + k * threads_per_row;
       if (!active || i >= nvec) continue;
-      add_residual(cached[k], rv[k], gv[k], gate != nullptr);
+      if constexpr (kWords) cached[k] = as_vec(xw[k]);
+      add_residual(cached[k], as_vec(rw[k]), as_vec(gw[k]), gate != nullptr);
     }
     if constexpr (!kStoreLate) {
 #pragma unroll
