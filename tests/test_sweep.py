@@ -226,3 +226,28 @@ def test_cpu_twins_run_on_torchs_intra_op_threads(tmp_path):
     busy_threads = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True,
                                   check=True, timeout=300).stdout.split()[-1]
     assert int(busy_threads) >= 2
+
+
+def test_kernel_breakdown_reads_the_sweeps_cells():
+    """kernel_breakdown takes cells by the sweep's labels and picks a sweep.json's missed
+    cells furthest behind first (ratio from 1 MB up, gap below); it needs a GPU to run."""
+    from benchmarks.ops import kernel_breakdown
+
+    for cell in (sweep.Cell("rms_norm", 1, 4096, "bf16", True), sweep.Cell("geglu", 4096, 8192, "fp32")):
+        assert kernel_breakdown.parse_cell(cell.label) == cell
+    for bad in ("rms_norm bf16 1x", "softmax bf16 1x4096", "rms_norm int8 1x4096"):
+        with pytest.raises(ValueError):
+            kernel_breakdown.parse_cell(bad)
+
+    def summary(op, rows, nbytes, ratio, gap, meets):
+        return dict(op=op, rows=rows, width=4096, dtype="bf16", backward=False, bytes=nbytes, ratio=ratio,
+                    gap_us=gap, meets_target=meets)
+
+    report = {"cells": [summary("a", 1, MB, 1.08, 0.5, False), summary("b", 2, 4 * MB, 1.30, 9.0, False),
+                        summary("c", 3, 1024, 1.9, 0.3, False), summary("d", 4, 2048, 1.2, 0.9, False),
+                        summary("e", 5, 8 * MB, 2.0, 50.0, True), summary("f", 6, 64, 3.0, 0.1, None)]}
+    chosen = kernel_breakdown.worst_missed(report, top=3)
+    assert [(c.op, c.rows) for c in chosen] == [("b", 2), ("d", 4), ("a", 1)]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            kernel_breakdown.main(["--cell", "rms_norm bf16 1x4096"])
