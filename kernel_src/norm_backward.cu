@@ -6,8 +6,8 @@
 // one row block writes the sums themselves). Rows wider than one slice are split over
 // blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange their
 // row sums through distributed shared memory; elsewhere (or past 8 slices) each block reads
-// the whole row for the row sums (the other slices' reads partly hit L2). The measurements behind the launch constants, and the alternatives they
-// beat, are rows of docs/decisions.md.
+// the whole row for the row sums (the other slices' reads partly hit L2). The measurements
+// behind the launch constants, and the alternatives they beat, are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 

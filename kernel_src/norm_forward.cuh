@@ -292,7 +292,8 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
   if constexpr (kLoadsFirst) {
     // 16-bit vectors are loaded as 32-bit words (Held) and made vectors only after every
     // load is out: loaded as vectors of 16-bit values, each was copied after its predicated
-    // load, and that copy, waiting for the load, came before the next load (fp16 on sm_90).
+    // load, and that copy, waiting for the load, came before the next load (fp16's SASS on
+    // sm_80 and sm_90).
     constexpr bool kWords = sizeof(T) == 2 && sizeof(Vec<T, VEC>) == sizeof(uint4);
     using Held = std::conditional_t<kWords, uint4, Vec<T, VEC>>;
     const auto load_held = [](const T* base, int i) { return reinterpret_cast<const Held*>(base)[i]; };
@@ -311,7 +312,7 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
       const int i = t + k * threads_per_row;
       if (active && i < nvec) {
         if constexpr (kWords) xw[k] = load_held(x, i);
-        else cached[k] = load_held(x, i);  // fp32: into the cache, where its loads issue first as they are
+        else cached[k] = load_held(x, i);  // fp32: straight into the cache (its loads issue first)
         rw[k] = load_held(res, i);
       }
     }
