@@ -96,15 +96,20 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* base, int vec_index) {
   return reinterpret_cast<const Vec<T, N>*>(base)[vec_index];
 }
 
+// A 16-byte vector from its bits, as loaded or held in 32-bit words.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> vec_of_bits(const uint4& bits) {
+  static_assert(sizeof(Vec<T, N>) == sizeof(uint4), "vec_of_bits: 16-byte vectors");
+  Vec<T, N> v;
+  *reinterpret_cast<uint4*>(&v) = bits;
+  return v;
+}
+
 // A 16-byte vector by the read-only (non-coherent) path, as a __restrict__ const operand
 // loads: only for memory that no thread of the kernel writes before this read.
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> load_vec_read_only(const T* base, int vec_index) {
-  static_assert(sizeof(Vec<T, N>) == sizeof(uint4), "load_vec_read_only: 16-byte vectors");
-  const uint4 bits = __ldg(reinterpret_cast<const uint4*>(base) + vec_index);
-  Vec<T, N> v;
-  *reinterpret_cast<uint4*>(&v) = bits;
-  return v;
+  return vec_of_bits<T, N>(__ldg(reinterpret_cast<const uint4*>(base) + vec_index));
 }
 
 template <typename T, int N>

@@ -39,7 +39,7 @@ constexpr int kCachedVecs = 4;
 // SM. In 16 bits (rows past 16384 elements) eight vectors with their write operands spill
 // (docs/decisions.md).
 constexpr int kDecodeCachedVecs = 8;
-// Residual rows: at four vectors, loads first, they take 80-112 registers (sm_90: one
+// Residual rows: at four vectors, loads first, they take 78-104 registers (sm_90: one
 // 512-thread block an SM), at one at most 48 (docs/decisions.md).
 constexpr int kOneVecThreads = 256;
 // Blocks per SM of one-vector rows: an unweighted row fits 32 registers, a full SM; the
@@ -298,13 +298,8 @@ __global__ void __launch_bounds__(bound_threads(CACHED, RESIDUAL, MODULATE),
     using Held = std::conditional_t<kWords, uint4, Vec<T, VEC>>;
     const auto load_held = [](const T* base, int i) { return reinterpret_cast<const Held*>(base)[i]; };
     const auto as_vec = [](const Held& held) {
-      if constexpr (kWords) {
-        Vec<T, VEC> v;
-        *reinterpret_cast<Held*>(&v) = held;
-        return v;
-      } else {
-        return held;
-      }
+      if constexpr (kWords) return vec_of_bits<T, VEC>(held);
+      else return held;
     };
     Held xw[CACHED], rw[CACHED], gw[CACHED];
 #pragma unroll
