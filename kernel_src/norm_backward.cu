@@ -219,12 +219,31 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // loading and converting it twice per row.
   const bool factor_per_row = MODULATE && p.scale_token != 0;
   float own_factor[kVecs][VEC];
+  // Every vector's load goes out before the first conversion (unconditional loads, vectors
+  // past the row end reading its last one): each vector converted as loaded, under its own
+  // branch, made each load wait for the one before.
   auto load_own_factor = [&](int64_t token) {
     const T* scale_row = scale_row_of(token);
+    Vec<T, VEC> scale_vecs[MODULATE ? kVecs : 1];
+    Vec<W, VEC> weight_vecs[MODULATE ? 1 : kVecs];
+    const bool weighted = !MODULATE && p.weight != nullptr;
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      const int i = vec_index(slice, k);
-      if (i < nvec) load_factor(scale_row, i, own_factor[k]);
+      const int i = min(vec_index(slice, k), nvec - 1);
+      if constexpr (MODULATE) scale_vecs[k] = load_vec<T, VEC>(scale_row, i);
+      else if (weighted) weight_vecs[k] = load_vec<W, VEC>(p.weight, i);
+    }
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if (MODULATE || weighted) {
+        if constexpr (MODULATE) to_floats(scale_vecs[k], own_factor[k]);
+        else to_floats(weight_vecs[k], own_factor[k]);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) own_factor[k][j] += p.factor_offset;
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) own_factor[k][j] = 1.f;
+      }
     }
   };
   // The block's slice of its current row. Unconditional loads (no branch per vector): an
