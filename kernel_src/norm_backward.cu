@@ -574,6 +574,74 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
   }
 }
 
+// The gated residual alone where a group (batch entry) has few rows: a thread owns one
+// column vector of its group and walks rows threadIdx.y, threadIdx.y + blockDim.y, ...,
+// four at a time with their loads all out first; the blockDim.y sums of a column then add
+// in a fixed order in shared memory and are written as the column grad itself. The row
+// blocks of norm_backward_kernel would need a second launch (column_sum_kernel) or walk
+// the rows one block-wide step after another.
+constexpr int kGateColumnThreads = 32;  // blockDim.x: 32 vectors, 512 contiguous bytes a row
+constexpr int kGateRowsAhead = 4;       // rows a thread has in flight
+constexpr int kGateMaxRowThreads = 16;  // blockDim.y
+// Up to this many rows a group the column kernel runs: at most two steps of four rows a
+// thread.
+constexpr int64_t kGateColumnRows = 2 * kGateRowsAhead * kGateMaxRowThreads;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kGateColumnThreads * kGateMaxRowThreads)
+    gate_backward_columns_kernel(const NormBwdParams<T, T, T> p) {
+  extern __shared__ float4 column_storage[];
+  float* column = reinterpret_cast<float*>(column_storage);  // [blockDim.y][blockDim.x * VEC]
+  const int nvec = p.cols / VEC;
+  const int i = blockIdx.x * kGateColumnThreads + threadIdx.x;
+  const int64_t group_first = static_cast<int64_t>(blockIdx.y) * p.group_rows;
+  const T* gate = p.scale + static_cast<int64_t>(blockIdx.y) * p.scale_batch;
+  float acc[VEC] = {};
+  if (i < nvec) {
+    for (int64_t base = threadIdx.y; base < p.group_rows; base += kGateRowsAhead * blockDim.y) {
+      Vec<T, VEC> xs[kGateRowsAhead], dys[kGateRowsAhead], gates[kGateRowsAhead];
+      // Unconditional loads: a row past the group's end reads its last row, unused.
+#pragma unroll
+      for (int u = 0; u < kGateRowsAhead; ++u) {
+        const int64_t token = min(base + u * blockDim.y, p.group_rows - 1), r = group_first + token;
+        xs[u] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
+        dys[u] = load_vec<T, VEC>(p.grad_out + r * p.grad_out_stride, i);
+        gates[u] = load_vec<T, VEC>(gate + token * p.scale_token, i);
+      }
+#pragma unroll
+      for (int u = 0; u < kGateRowsAhead; ++u) {
+        const int64_t token = base + u * blockDim.y;
+        if (token >= p.group_rows) break;
+        float xf[VEC], df[VEC], gf[VEC], g[VEC];
+        to_floats(xs[u], xf);
+        to_floats(dys[u], df);
+        to_floats(gates[u], gf);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[j] = df[j] * gf[j], acc[j] += df[j] * xf[j];
+        store_vec<T, VEC>(p.grad_input + (group_first + token) * p.cols, i, from_floats<T>(g));
+      }
+    }
+  }
+  const int row_floats = kGateColumnThreads * VEC;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) column[threadIdx.y * row_floats + threadIdx.x * VEC + j] = acc[j];
+  __syncthreads();
+  if (threadIdx.y != 0 || i >= nvec) return;
+  for (int y = 1; y < blockDim.y; ++y) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] += column[y * row_floats + threadIdx.x * VEC + j];
+  }
+  const int64_t out_row = static_cast<int64_t>(blockIdx.y) * p.cols;
+  if (p.rounded_partials & 1) {
+    store_vec<T, VEC>(reinterpret_cast<T*>(p.factor_partial) + out_row, i, from_floats<T>(acc));
+  } else {
+    Vec<float, VEC> sums;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sums.v[j] = acc[j];
+    store_vec<float, VEC>(p.factor_partial + out_row, i, sums);
+  }
+}
+
 template <typename T, typename W, typename G, NormKind KIND, bool MODULATE, bool GATED = false, bool NORMED = true>
 void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
@@ -589,6 +657,32 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                       ok_ptr(a.gate_input, tb) && ok_ptr(a.gate_input_grad, tb) && ok_ptr(a.gate_rows, tb);
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
+  if constexpr (!NORMED) {
+    const int64_t groups = a.rows / a.group_rows;
+    if (a.factor_sums != nullptr && a.factor_rows == nullptr && a.group_rows <= kGateColumnRows && groups <= 65535) {
+      TORCH_INTERNAL_ASSERT(a.factor_offset == 0.f && a.grad_extra == nullptr);
+      // Row threads for four rows each, up to kGateMaxRowThreads (then two steps).
+      int row_threads = 1;
+      while (row_threads < kGateMaxRowThreads && row_threads * kGateRowsAhead < a.group_rows) row_threads *= 2;
+      const NormBwdParams<T, T, T> p{
+          static_cast<T*>(a.grad_input), static_cast<const T*>(a.grad_out), static_cast<const T*>(a.input),
+          nullptr, nullptr, static_cast<const T*>(a.scale.ptr), nullptr, nullptr, nullptr,
+          static_cast<float*>(a.factor_sums), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+          a.factor_sums_fp32 ? 0u : 1u, 0, 0, 0, a.scale.batch_stride, a.scale.token_stride, a.group_rows,
+          a.input_stride, a.grad_out_stride, 0, static_cast<int>(a.cols), 0.f, 0.f, 0.f, false, 1};
+      const dim3 grid(static_cast<unsigned>((nvec + kGateColumnThreads - 1) / kGateColumnThreads),
+                      static_cast<unsigned>(groups));
+      const dim3 block(kGateColumnThreads, row_threads);
+      const std::size_t shared = static_cast<std::size_t>(row_threads) * kGateColumnThreads * vec * sizeof(float);
+      if (vector) {
+        gate_backward_columns_kernel<T, V><<<grid, block, shared, stream>>>(p);
+      } else {
+        gate_backward_columns_kernel<T, 1><<<grid, block, shared, stream>>>(p);
+      }
+      check_launch();
+      return;
+    }
+  }
   constexpr int accs = bwd_accs(NORMED, MODULATE, GATED);
   const int vecs_per_thread = bwd_vecs(vec, sizeof(G), accs);
   const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(accs));

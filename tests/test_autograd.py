@@ -306,6 +306,18 @@ def test_gated_residual_grads(kernel, device, x_shape, gate_shape, dtype):
     _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * bcast(g), [r, x, gate], dtype)
 
 
+# The gated residual's backward at few rows a batch entry (on CUDA a thread a column vector,
+# its rows spread over up to 16 row threads of four rows each, in at most two steps): row
+# counts at the edges of its row threads and steps, one past its last (the row blocks), and
+# an odd width (the scalar path).
+@pytest.mark.parametrize("rows", [1, 5, 37, 64, 65, 128, 129])
+@pytest.mark.parametrize("cols", [2048, 509])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_residual_grads_of_few_rows(kernel, device, rows, cols, dtype):
+    r, x, gate = _leaves(device, dtype, (2, rows, cols), (2, rows, cols), (2, 1, cols))
+    _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * g, [r, x, gate], dtype)
+
+
 # gated_residual_adaln's backward in one pass: the grads its two ops give, adaln_backward
 # with the residual's grad as grad_extra, then gated_residual_backward on the grad that
 # returns. Bit for bit on the CPU; on CUDA within the grads' tolerance, as the fused kernel
