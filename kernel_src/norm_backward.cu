@@ -3,7 +3,8 @@
 // keeping its slice of x and dy in registers and adding its slice of the column grads into
 // fp32 shared memory (each thread its own slots: no atomics, no races); it then writes one
 // partial row per column grad, which column_sum_kernel adds up in a fixed order (a grid of
-// one row block writes the sums themselves). Rows wider than one slice are split over
+// one row block writes the sums themselves; the gated residual alone at few rows a batch
+// entry takes gate_backward_columns_kernel instead). Rows wider than one slice are split over
 // blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange their
 // row sums through distributed shared memory; elsewhere (or past 8 slices) each block reads
 // the whole row for the row sums (the other slices' reads partly hit L2). The measurements
@@ -580,11 +581,12 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
 // in a fixed order in shared memory and are written as the column grad itself. The row
 // blocks of norm_backward_kernel would need a second launch (column_sum_kernel) or walk
 // the rows one block-wide step after another.
-constexpr int kGateColumnThreads = 32;  // blockDim.x: 32 vectors, 512 contiguous bytes a row
+// blockDim.x: 8 vectors (16-bit: a 128-byte line of a row), for more blocks than 32 gave.
+constexpr int kGateColumnThreads = 8;
 constexpr int kGateRowsAhead = 4;       // rows a thread has in flight
 constexpr int kGateMaxRowThreads = 16;  // blockDim.y
 // Up to this many rows a group the column kernel runs: at most two steps of four rows a
-// thread.
+// thread (at 256 rows and more, its steps were slower than the row blocks' two launches).
 constexpr int64_t kGateColumnRows = 2 * kGateRowsAhead * kGateMaxRowThreads;
 
 template <typename T, int VEC>
