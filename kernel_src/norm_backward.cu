@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   const bool factor_per_row = MODULATE && p.scale_token != 0;
   float own_factor[kVecs][VEC];
   // Every vector's load goes out before the first conversion (unconditional loads, vectors
-  // past the row end reading its last one): each vector converted as loaded, under its own
-  // branch, made each load wait for the one before.
+  // past the row end reading its last one): converting each vector as it loads, under its
+  // own branch, would make each load wait for the one before.
   auto load_own_factor = [&](int64_t token) {
     const T* scale_row = scale_row_of(token);
     Vec<T, VEC> scale_vecs[MODULATE ? kVecs : 1];
@@ -576,18 +576,20 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
   }
 }
 
-// The gated residual alone where a group (batch entry) has few rows: a thread owns one
-// column vector of its group and walks rows threadIdx.y, threadIdx.y + blockDim.y, ...,
-// four at a time with their loads all out first; the blockDim.y sums of a column then add
-// in a fixed order in shared memory and are written as the column grad itself. The row
-// blocks of norm_backward_kernel would need a second launch (column_sum_kernel) or walk
-// the rows one block-wide step after another.
-// blockDim.x: 8 vectors (16-bit: a 128-byte line of a row), for more blocks than 32 gave.
+// The gated residual alone at few rows in all, the gate's grad summed over each group's
+// (batch entry's) rows: a thread owns one column vector of its group and walks rows
+// threadIdx.y, threadIdx.y + blockDim.y, ..., four at a time with their loads all out
+// first; the blockDim.y sums of a column then add in a fixed order in shared memory and are
+// written as the column grad itself. The row blocks of norm_backward_kernel would need a
+// second launch (column_sum_kernel) or walk the rows one block-wide step after another.
+// blockDim.x: 8 vectors (on the vector path 128 bytes of a row); 32, a quarter of the
+// blocks, was slower (docs/decisions.md).
 constexpr int kGateColumnThreads = 8;
 constexpr int kGateRowsAhead = 4;       // rows a thread has in flight
 constexpr int kGateMaxRowThreads = 16;  // blockDim.y
-// Up to this many rows a group the column kernel runs: at most two steps of four rows a
-// thread (at 256 rows and more, its steps were slower than the row blocks' two launches).
+// Up to this many rows in all the column kernel runs: at most two steps of four rows a
+// thread. At 256 rows a group its steps were slower than the row blocks' two launches;
+// many groups of few rows would make many blocks of few threads (measured: one group).
 constexpr int64_t kGateColumnRows = 2 * kGateRowsAhead * kGateMaxRowThreads;
 
 template <typename T, int VEC>
@@ -661,9 +663,9 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   if constexpr (!NORMED) {
-    const int64_t groups = a.rows / a.group_rows;
-    if (a.factor_sums != nullptr && a.factor_rows == nullptr && a.group_rows <= kGateColumnRows && groups <= 65535) {
-      TORCH_INTERNAL_ASSERT(a.factor_offset == 0.f && a.grad_extra == nullptr);
+    if (a.factor_sums != nullptr && a.factor_rows == nullptr && a.rows <= kGateColumnRows) {
+      const int64_t groups = a.rows / a.group_rows;
+      TORCH_INTERNAL_ASSERT(a.factor_offset == 0.f && a.grad_extra == nullptr && a.group_rows == a.tokens);
       // Row threads for four rows each, up to kGateMaxRowThreads (then two steps).
       int row_threads = 1;
       while (row_threads < kGateMaxRowThreads && row_threads * kGateRowsAhead < a.group_rows) row_threads *= 2;

@@ -306,15 +306,19 @@ def test_gated_residual_grads(kernel, device, x_shape, gate_shape, dtype):
     _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * bcast(g), [r, x, gate], dtype)
 
 
-# The gated residual's backward at few rows a batch entry (on CUDA a thread a column vector,
-# its rows spread over up to 16 row threads of four rows each, in at most two steps): row
-# counts at the edges of its row threads and steps, one past its last (the row blocks), and
-# an odd width (the scalar path).
-@pytest.mark.parametrize("rows", [1, 5, 37, 64, 65, 128, 129])
+# The gated residual's backward at few rows in all, the gate's grad summed per batch entry
+# (on CUDA a thread a column vector, its rows over up to 16 row threads of four rows each, in
+# at most two steps, up to 128 rows): row counts at the edges of its row threads and steps,
+# one past its last (the row blocks), a gate shared by the batch (fp32 sums), and an odd
+# width (the scalar path).
+@pytest.mark.parametrize("batch, rows", [(2, 2), (2, 4), (2, 5), (2, 37), (2, 64), (2, 65), (1, 65), (1, 128),
+                                         (1, 129)])
 @pytest.mark.parametrize("cols", [2048, 509])
+@pytest.mark.parametrize("shared_gate", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gated_residual_grads_of_few_rows(kernel, device, rows, cols, dtype):
-    r, x, gate = _leaves(device, dtype, (2, rows, cols), (2, rows, cols), (2, 1, cols))
+def test_gated_residual_grads_of_few_rows(kernel, device, batch, rows, cols, shared_gate, dtype):
+    gate_shape = (cols,) if shared_gate else (batch, 1, cols)
+    r, x, gate = _leaves(device, dtype, (batch, rows, cols), (batch, rows, cols), gate_shape)
     _assert_grads_match(kernel.gated_residual(r, x, gate), lambda r, x, g: r + x * g, [r, x, gate], dtype)
 
 
@@ -490,14 +494,18 @@ def test_out_forms_refuse_autograd(kernel, device):
 
 
 def test_column_grads_are_deterministic(kernel, device):
-    """The weight, scale and gate grads sum many rows: bit-identical run to run."""
+    """The weight, scale and gate grads sum many rows: bit-identical run to run (also the
+    gated residual's at few rows, on CUDA its column kernel)."""
     x, w, gate = _leaves(device, torch.bfloat16, (4096, 256), (256,), (256,))
+    (few,) = _leaves(device, torch.bfloat16, (100, 256))
     g = torch.randn(4096, 256, device=device, dtype=torch.bfloat16)
     for fn, inputs in ((lambda: kernel.rms_norm(x, w, 1e-6), (x, w)),
-                       (lambda: kernel.gated_residual(x, x, gate), (x, gate))):
-        first = torch.autograd.grad(fn(), inputs, g)
+                       (lambda: kernel.gated_residual(x, x, gate), (x, gate)),
+                       (lambda: kernel.gated_residual(few, few, gate), (few, gate))):
+        out = fn()
+        first = torch.autograd.grad(out, inputs, g[:len(out)])
         for _ in range(3):
-            again = torch.autograd.grad(fn(), inputs, g)
+            again = torch.autograd.grad(fn(), inputs, g[:len(out)])
             for a, b in zip(first, again):
                 assert torch.equal(a, b)
 
