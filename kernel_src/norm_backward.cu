@@ -58,6 +58,18 @@ __host__ __device__ constexpr int bwd_accs(bool normed, bool modulate, bool gate
 // (beyond 48 KB on request, which max_blocks_per_sm makes).
 constexpr int bwd_row_threads(int accs) { return accs >= 2 ? kBwdMaxBlock / 2 : kBwdMaxBlock; }
 
+// Stores a vector of column sums at vector i of the row `row_offset` elements into `sums`:
+// fp32 as summed, or (rounded) rounded to T, the buffer then holding the grad of dtype T.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_sums(float* sums, int64_t row_offset, int i, const Vec<float, VEC>& v,
+                                           bool rounded) {
+  if (rounded) {
+    store_vec<T, VEC>(reinterpret_cast<T*>(sums) + row_offset, i, from_floats<T>(v.v));
+  } else {
+    store_vec<float, VEC>(sums + row_offset, i, v);
+  }
+}
+
 template <typename T, typename W, typename G>
 struct NormBwdParams {
   T* grad_input;          // [rows, cols] contiguous
@@ -508,11 +520,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) sum.v[j] += other[j];
       }
-      if (p.rounded_partials >> which & 1) {
-        store_vec<T, VEC>(reinterpret_cast<T*>(partials[which]) + partial_row, i, from_floats<T>(sum.v));
-      } else {
-        store_vec<float, VEC>(partials[which] + partial_row, i, sum);
-      }
+      store_sums<T, VEC>(partials[which], partial_row, i, sum, p.rounded_partials >> which & 1);
     }
   }
 }
@@ -592,26 +600,39 @@ constexpr int kGateMaxRowThreads = 16;  // blockDim.y
 // many groups of few rows would make many blocks of few threads (measured: one group).
 constexpr int64_t kGateColumnRows = 2 * kGateRowsAhead * kGateMaxRowThreads;
 
+template <typename T>
+struct GateColumnParams {
+  T* grad_input;          // [rows, cols] contiguous: grad_out * gate
+  const T* grad_out;      // [rows, cols], rows grad_out_stride apart
+  const T* input;         // [rows, cols], rows input_stride apart
+  const T* gate;          // a row per group, gate_batch apart (a group's rows share it)
+  float* gate_sums;       // [groups, cols] sums of grad_out * input: fp32, or T when rounded
+  int64_t gate_batch, group_rows, input_stride, grad_out_stride;
+  int cols;
+  bool rounded;
+};
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kGateColumnThreads * kGateMaxRowThreads)
-    gate_backward_columns_kernel(const NormBwdParams<T, T, T> p) {
+    gate_backward_columns_kernel(const GateColumnParams<T> p) {
   extern __shared__ float4 column_storage[];
   float* column = reinterpret_cast<float*>(column_storage);  // [blockDim.y][blockDim.x * VEC]
   const int nvec = p.cols / VEC;
   const int i = blockIdx.x * kGateColumnThreads + threadIdx.x;
   const int64_t group_first = static_cast<int64_t>(blockIdx.y) * p.group_rows;
-  const T* gate = p.scale + static_cast<int64_t>(blockIdx.y) * p.scale_batch;
-  float acc[VEC] = {};
+  const T* gate = p.gate + static_cast<int64_t>(blockIdx.y) * p.gate_batch;
+  Vec<float, VEC> acc{};
   if (i < nvec) {
+    // Converted where used: a conversion here would hold the rows' loads back.
+    const Vec<T, VEC> gate_vec = load_vec<T, VEC>(gate, i);
     for (int64_t base = threadIdx.y; base < p.group_rows; base += kGateRowsAhead * blockDim.y) {
-      Vec<T, VEC> xs[kGateRowsAhead], dys[kGateRowsAhead], gates[kGateRowsAhead];
+      Vec<T, VEC> xs[kGateRowsAhead], dys[kGateRowsAhead];
       // Unconditional loads: a row past the group's end reads its last row, unused.
 #pragma unroll
       for (int u = 0; u < kGateRowsAhead; ++u) {
         const int64_t token = min(base + u * blockDim.y, p.group_rows - 1), r = group_first + token;
         xs[u] = load_vec<T, VEC>(p.input + r * p.input_stride, i);
         dys[u] = load_vec<T, VEC>(p.grad_out + r * p.grad_out_stride, i);
-        gates[u] = load_vec<T, VEC>(gate + token * p.scale_token, i);
       }
 #pragma unroll
       for (int u = 0; u < kGateRowsAhead; ++u) {
@@ -620,31 +641,53 @@ __global__ void __launch_bounds__(kGateColumnThreads * kGateMaxRowThreads)
         float xf[VEC], df[VEC], gf[VEC], g[VEC];
         to_floats(xs[u], xf);
         to_floats(dys[u], df);
-        to_floats(gates[u], gf);
+        to_floats(gate_vec, gf);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) g[j] = df[j] * gf[j], acc[j] += df[j] * xf[j];
+        for (int j = 0; j < VEC; ++j) g[j] = df[j] * gf[j], acc.v[j] += df[j] * xf[j];
         store_vec<T, VEC>(p.grad_input + (group_first + token) * p.cols, i, from_floats<T>(g));
       }
     }
   }
   const int row_floats = kGateColumnThreads * VEC;
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) column[threadIdx.y * row_floats + threadIdx.x * VEC + j] = acc[j];
+  for (int j = 0; j < VEC; ++j) column[threadIdx.y * row_floats + threadIdx.x * VEC + j] = acc.v[j];
   __syncthreads();
   if (threadIdx.y != 0 || i >= nvec) return;
   for (int y = 1; y < blockDim.y; ++y) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] += column[y * row_floats + threadIdx.x * VEC + j];
+    for (int j = 0; j < VEC; ++j) acc.v[j] += column[y * row_floats + threadIdx.x * VEC + j];
   }
-  const int64_t out_row = static_cast<int64_t>(blockIdx.y) * p.cols;
-  if (p.rounded_partials & 1) {
-    store_vec<T, VEC>(reinterpret_cast<T*>(p.factor_partial) + out_row, i, from_floats<T>(acc));
+  store_sums<T, VEC>(p.gate_sums, static_cast<int64_t>(blockIdx.y) * p.cols, i, acc, p.rounded);
+}
+
+// Runs the gated residual's backward on gate_backward_columns_kernel where it takes it (see
+// kGateColumnRows): returns whether it did.
+template <typename T>
+bool launch_gate_columns(const NormBackwardArgs& a, bool vector, cudaStream_t stream) {
+  if (a.factor_sums == nullptr || a.factor_rows != nullptr || a.rows > kGateColumnRows) return false;
+  // The gate's grad is column sums only where a group's rows share one gate row.
+  TORCH_INTERNAL_ASSERT(a.factor_offset == 0.f && a.grad_extra == nullptr && a.group_rows == a.tokens &&
+                        a.scale.token_stride == 0);
+  constexpr int V = kVec16<T>;
+  const int vec = vector ? V : 1;
+  // Row threads for four rows each, up to kGateMaxRowThreads (then two steps).
+  int row_threads = 1;
+  while (row_threads < kGateMaxRowThreads && row_threads * kGateRowsAhead < a.group_rows) row_threads *= 2;
+  const GateColumnParams<T> p{static_cast<T*>(a.grad_input), static_cast<const T*>(a.grad_out),
+                              static_cast<const T*>(a.input), static_cast<const T*>(a.scale.ptr),
+                              static_cast<float*>(a.factor_sums), a.scale.batch_stride, a.group_rows,
+                              a.input_stride, a.grad_out_stride, static_cast<int>(a.cols), !a.factor_sums_fp32};
+  const dim3 grid(static_cast<unsigned>((a.cols / vec + kGateColumnThreads - 1) / kGateColumnThreads),
+                  static_cast<unsigned>(a.rows / a.group_rows));
+  const dim3 block(kGateColumnThreads, row_threads);
+  const std::size_t shared = static_cast<std::size_t>(row_threads) * kGateColumnThreads * vec * sizeof(float);
+  if (vector) {
+    gate_backward_columns_kernel<T, V><<<grid, block, shared, stream>>>(p);
   } else {
-    Vec<float, VEC> sums;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) sums.v[j] = acc[j];
-    store_vec<float, VEC>(p.factor_partial + out_row, i, sums);
+    gate_backward_columns_kernel<T, 1><<<grid, block, shared, stream>>>(p);
   }
+  check_launch();
+  return true;
 }
 
 template <typename T, typename W, typename G, NormKind KIND, bool MODULATE, bool GATED = false, bool NORMED = true>
@@ -663,30 +706,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   if constexpr (!NORMED) {
-    if (a.factor_sums != nullptr && a.factor_rows == nullptr && a.rows <= kGateColumnRows) {
-      const int64_t groups = a.rows / a.group_rows;
-      TORCH_INTERNAL_ASSERT(a.factor_offset == 0.f && a.grad_extra == nullptr && a.group_rows == a.tokens);
-      // Row threads for four rows each, up to kGateMaxRowThreads (then two steps).
-      int row_threads = 1;
-      while (row_threads < kGateMaxRowThreads && row_threads * kGateRowsAhead < a.group_rows) row_threads *= 2;
-      const NormBwdParams<T, T, T> p{
-          static_cast<T*>(a.grad_input), static_cast<const T*>(a.grad_out), static_cast<const T*>(a.input),
-          nullptr, nullptr, static_cast<const T*>(a.scale.ptr), nullptr, nullptr, nullptr,
-          static_cast<float*>(a.factor_sums), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-          a.factor_sums_fp32 ? 0u : 1u, 0, 0, 0, a.scale.batch_stride, a.scale.token_stride, a.group_rows,
-          a.input_stride, a.grad_out_stride, 0, static_cast<int>(a.cols), 0.f, 0.f, 0.f, false, 1};
-      const dim3 grid(static_cast<unsigned>((nvec + kGateColumnThreads - 1) / kGateColumnThreads),
-                      static_cast<unsigned>(groups));
-      const dim3 block(kGateColumnThreads, row_threads);
-      const std::size_t shared = static_cast<std::size_t>(row_threads) * kGateColumnThreads * vec * sizeof(float);
-      if (vector) {
-        gate_backward_columns_kernel<T, V><<<grid, block, shared, stream>>>(p);
-      } else {
-        gate_backward_columns_kernel<T, 1><<<grid, block, shared, stream>>>(p);
-      }
-      check_launch();
-      return;
-    }
+    if (launch_gate_columns<T>(a, vector, stream)) return;
   }
   constexpr int accs = bwd_accs(NORMED, MODULATE, GATED);
   const int vecs_per_thread = bwd_vecs(vec, sizeof(G), accs);
