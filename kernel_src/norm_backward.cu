@@ -1,15 +1,15 @@
 // The norm family's backward on CUDA (see NormBackwardArgs in norm.h). A block owns a
-// column slice of bwd_vecs vectors per thread and walks a fixed set of rows of one group,
-// keeping its slice of x and dy in registers and adding its slice of the column grads into
-// fp32 shared memory (each thread its own slots: no atomics, no races); it then writes one
-// partial row per column grad, which column_sum_kernel adds up in a fixed order (a grid of
-// one row block writes the sums themselves; the gated residual alone at few rows a batch
-// entry takes gate_backward_columns_kernel instead). Rows wider than one slice are split
-// over blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange
-// their row sums through distributed shared memory; elsewhere (or past 8 slices) each block
-// reads the whole row for the row sums (the other slices' reads partly hit L2). The
-// measurements behind the launch constants, and the alternatives they beat, are rows of
-// docs/decisions.md.
+// column slice of bwd_vecs vectors per thread (one at few rows, a row a block) and walks a
+// fixed set of rows of one group, keeping its slice of x and dy in registers and adding its
+// slice of the column grads into fp32 shared memory (each thread its own slots: no atomics,
+// no races); it then writes one partial row per column grad, which column_sum_kernel adds
+// up in a fixed order (a grid of one row block writes the sums themselves; the gated
+// residual alone at few rows a batch entry takes gate_backward_columns_kernel instead).
+// Rows wider than one slice are split over blockIdx.x: on sm_90 the slices of a row are one
+// cluster's blocks, which exchange their row sums through distributed shared memory;
+// elsewhere (or past 8 slices) each block reads the whole row for the row sums (the other
+// slices' reads partly hit L2). The measurements behind the launch constants, and the
+// alternatives they beat, are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 
@@ -25,18 +25,21 @@ namespace {
 // fp32), two when fp32 grads of a 16-bit input make each dy vector 32 bytes, eight single
 // elements on the unaligned path. More would spill beside the fp32 factor, and so do four
 // with the gated residual's loads (three column grads): it takes two. One vector a thread
-// on 512-thread rows (84 registers, one block per SM) was slower (docs/decisions.md).
+// on 512-thread rows (84 registers, one block per SM) was slower at many rows; at few rows
+// it is the layout (kBwdFewRowsBlock, docs/decisions.md).
 __host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes, int accs) {
   return vec == 1 ? 8 : accs == 3 || vec * grad_bytes > 16 ? 2 : 4;
 }
-// Shared-memory floats per thread: its elements for each column grad side by side, and 16
-// bytes of padding, so that the 16-byte accesses of 8 consecutive threads fall in distinct
-// banks (36 or 68 floats: 4 banks apart; 20 or 52: 20 apart; 28: 28 apart; 12, 20 or 28 on
-// the scalar path).
-__host__ __device__ constexpr int bwd_thread_floats(int vec, int grad_bytes, int accs) {
-  return accs * bwd_vecs(vec, grad_bytes, accs) * vec + 4;
-}
+// Shared-memory floats per thread at `vecs` vectors a thread: its elements for each column
+// grad side by side, and 16 bytes of padding, so that the 16-byte accesses of 8 consecutive
+// threads fall in distinct banks (36 or 68 floats: 4 banks apart; 20 or 52: 20 apart; 28: 28
+// apart; 12, 20 or 28 on the scalar path or at one vector a thread).
+__host__ __device__ constexpr int bwd_thread_floats(int vecs, int vec, int accs) { return accs * vecs * vec + 4; }
 constexpr int kBwdMaxBlock = 256;
+// At most one row an SM (few rows: decode steps, small batches) a thread takes one vector, a
+// row up to this many threads: the SMs have room for them, and a thread's chain of dependent
+// instructions, which sets a lone row's time, is a quarter as long.
+constexpr int kBwdFewRowsBlock = 512;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
 // AdaLN's backward kernels load their first row before the scale on sm_90 only: compiled
@@ -142,8 +145,9 @@ __device__ __forceinline__ void add_cluster_sums(float (&v)[N], float* mine, int
 
 // NORMED: the row was normalised; without it (the gated residual alone) n = x, dx = dy * g
 // and KIND is unused.
-template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool GATED, bool NORMED>
-__global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
+// VECS: vectors a thread (bwd_vecs, or one for few rows).
+template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool GATED, bool NORMED, int VECS>
+__global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, VECS == 1 ? 1 : kBwdMinBlocks)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
   // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, (AdaLN) dy and
   // (gated) dr * input.
@@ -152,7 +156,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   __shared__ float scratch[kBwdRowSums][32];
   __shared__ float cluster_sums[2][kBwdRowSums];
   constexpr int kAccs = bwd_accs(NORMED, MODULATE, GATED);
-  constexpr int kVecs = bwd_vecs(VEC, sizeof(G), kAccs);
+  constexpr int kVecs = VECS;
   constexpr bool kLayer = KIND == NormKind::kLayer;
   const int rows_per_block = blockDim.x / threads_per_row;
   const int row_in_block = threadIdx.x / threads_per_row;
@@ -169,7 +173,7 @@ __global__ void __launch_bounds__(kBwdMaxBlock, kBwdMinBlocks)
   // accesses), the accumulators at fixed offsets from one base, so that the compiler may
   // move one's shared-memory loads above the other's stores.
   constexpr int kElems = kVecs * VEC;
-  constexpr int kThreadFloats = bwd_thread_floats(VEC, sizeof(G), kAccs);
+  constexpr int kThreadFloats = bwd_thread_floats(kVecs, VEC, kAccs);
   auto slots = [&](int which) { return column_acc + threadIdx.x * kThreadFloats + which * kElems; };
   // The VEC slots at s (16-byte aligned where VEC is a multiple of 4).
   auto read_slots = [](const float* s, float (&v)[VEC]) {
@@ -709,34 +713,66 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     if (launch_gate_columns<T>(a, vector, stream)) return;
   }
   constexpr int accs = bwd_accs(NORMED, MODULATE, GATED);
-  const int vecs_per_thread = bwd_vecs(vec, sizeof(G), accs);
-  const RowLaunch cfg = row_launch(nvec, vecs_per_thread, bwd_row_threads(accs));
-  const int64_t slice_vecs = static_cast<int64_t>(cfg.threads_per_row) * vecs_per_thread;
-  const int slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
   const int device = a.device.index();
   const bool sums = a.factor_sums != nullptr || a.shift_sums != nullptr || a.gate_sums != nullptr;
-  const std::size_t thread_shared = sums ? bwd_thread_floats(vec, sizeof(G), accs) * sizeof(float) : 0;
-  const auto kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED>
-                             : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED>;
-  // Every block writes a partial row per column grad, which column_sum_kernel reads back.
-  // With column sums, rows of 64 threads share a block, up to four at a time, for a quarter
-  // of those partial rows, as long as as many threads stay resident per SM (16-bit AdaLN's
-  // two grads take 68 KB for four rows: on the H200 two such blocks fit, on sm_75 or sm_86
-  // the shared memory would cut the resident threads, so they keep a row per block). Rows
-  // without sums are not helped. Rows of 128 threads with one or two column grads (D = 4096
-  // in 16 bits) pair up in 256-thread blocks, as many threads per SM; with three
-  // (gated_residual_adaln's 128-thread rows at D = 2048) that was slower (docs/decisions.md).
+  const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32 + 2]);
+  using Kernel = void (*)(NormBwdParams<T, W, G>, int, int);
+  struct Layout {
+    Kernel kernel;
+    RowLaunch cfg;
+    int slices, block;
+    std::size_t thread_shared;
+  };
+  // The launch at `vecs` vectors a thread (one: few rows; its block a row).
+  auto layout = [&](int vecs) {
+    Layout l{};
+    l.kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, bwd_vecs(V, sizeof(G), accs)>
+                      : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED, bwd_vecs(1, sizeof(G), accs)>;
+    if constexpr (NORMED) {
+      if (vecs == 1) l.kernel = norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, 1>;
+    }
+    l.cfg = row_launch(nvec, vecs, vecs == 1 ? kBwdFewRowsBlock : bwd_row_threads(accs));
+    const int64_t slice_vecs = static_cast<int64_t>(l.cfg.threads_per_row) * vecs;
+    l.slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
+    l.thread_shared = sums ? bwd_thread_floats(vecs, vec, accs) * sizeof(float) : 0;
+    l.block = l.cfg.block;
+    // Every block writes a partial row per column grad, which column_sum_kernel reads back.
+    // With column sums, rows of 64 threads share a block, up to four at a time, for a
+    // quarter of those partial rows, as long as as many threads stay resident per SM (16-bit
+    // AdaLN's two grads take 68 KB for four rows: on the H200 two such blocks fit, on sm_75
+    // or sm_86 the shared memory would cut the resident threads, so they keep a row per
+    // block). Rows without sums are not helped. Rows of 128 threads with one or two column
+    // grads (D = 4096 in 16 bits) pair up in 256-thread blocks, as many threads per SM; with
+    // three (gated_residual_adaln's 128-thread rows at D = 2048) that was slower
+    // (docs/decisions.md).
+    auto blocks_per_sm = [&](int threads) {
+      return max_blocks_per_sm(reinterpret_cast<const void*>(l.kernel), device, threads, threads * l.thread_shared);
+    };
+    const int shared_row_threads = accs == 3 ? 64 : 128;
+    while (vecs > 1 && sums && l.slices == 1 && l.cfg.threads_per_row <= shared_row_threads &&
+           l.block < 4 * l.cfg.threads_per_row && 2 * l.block <= kBwdMaxBlock &&
+           2 * l.block * l.thread_shared <= shared_room && 2 * blocks_per_sm(2 * l.block) >= blocks_per_sm(l.block)) {
+      l.block *= 2;
+    }
+    return l;
+  };
+  Layout chosen = layout(vector ? bwd_vecs(V, sizeof(G), accs) : bwd_vecs(1, sizeof(G), accs));
+  // At most one row an SM, rows of up to kBwdFewRowsBlock vectors take one vector a thread,
+  // unless the group's rows, which one block of the wider layout holds, would then need
+  // several blocks (and a column_sum_kernel launch after them).
+  if (NORMED && vector && nvec <= kBwdFewRowsBlock && a.rows <= sm_count(device)) {
+    const Layout few = layout(1);
+    const auto block_rows = [](const Layout& l) { return l.block / l.cfg.threads_per_row; };
+    const bool one_block = sums && chosen.slices == 1 && a.group_rows <= block_rows(chosen);
+    if (!one_block || a.group_rows <= block_rows(few)) chosen = few;
+  }
+  const Kernel kernel = chosen.kernel;
+  const RowLaunch cfg = chosen.cfg;
+  const int slices = chosen.slices, block = chosen.block;
+  const std::size_t thread_shared = chosen.thread_shared;
   auto blocks_per_sm = [&](int threads) {
     return max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, threads, threads * thread_shared);
   };
-  int block = cfg.block;
-  const std::size_t shared_room = max_shared_per_block(device) - sizeof(float[kBwdRowSums][32 + 2]);
-  const int shared_row_threads = accs == 3 ? 64 : 128;
-  while (sums && slices == 1 && cfg.threads_per_row <= shared_row_threads && block < 4 * cfg.threads_per_row &&
-         2 * block <= kBwdMaxBlock && 2 * block * thread_shared <= shared_room &&
-         2 * blocks_per_sm(2 * block) >= blocks_per_sm(block)) {
-    block *= 2;
-  }
   const int rows_per_block = block / cfg.threads_per_row;
   const int64_t groups = a.rows / a.group_rows;
   // The kernel loads a per-batch AdaLN scale once per block: its groups are batch entries.
