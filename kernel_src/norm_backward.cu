@@ -723,19 +723,19 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     int slices, block;
     std::size_t thread_shared;
   };
-  // The launch at `vecs` vectors a thread (one: few rows; its block a row).
+  // The launch at `vecs` vectors a thread (one: few rows, a block a row past 32 threads).
   auto layout = [&](int vecs) {
-    Layout l{};
-    l.kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, bwd_vecs(V, sizeof(G), accs)>
+    Layout lay{};
+    lay.kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, bwd_vecs(V, sizeof(G), accs)>
                       : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED, bwd_vecs(1, sizeof(G), accs)>;
     if constexpr (NORMED) {
-      if (vecs == 1) l.kernel = norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, 1>;
+      if (vecs == 1) lay.kernel = norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, 1>;
     }
-    l.cfg = row_launch(nvec, vecs, vecs == 1 ? kBwdFewRowsBlock : bwd_row_threads(accs));
-    const int64_t slice_vecs = static_cast<int64_t>(l.cfg.threads_per_row) * vecs;
-    l.slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
-    l.thread_shared = sums ? bwd_thread_floats(vecs, vec, accs) * sizeof(float) : 0;
-    l.block = l.cfg.block;
+    lay.cfg = row_launch(nvec, vecs, vecs == 1 ? kBwdFewRowsBlock : bwd_row_threads(accs));
+    const int64_t slice_vecs = static_cast<int64_t>(lay.cfg.threads_per_row) * vecs;
+    lay.slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
+    lay.thread_shared = sums ? bwd_thread_floats(vecs, vec, accs) * sizeof(float) : 0;
+    lay.block = lay.cfg.block;
     // Every block writes a partial row per column grad, which column_sum_kernel reads back.
     // With column sums, rows of 64 threads share a block, up to four at a time, for a
     // quarter of those partial rows, as long as as many threads stay resident per SM (16-bit
@@ -746,15 +746,15 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     // three (gated_residual_adaln's 128-thread rows at D = 2048) that was slower
     // (docs/decisions.md).
     auto blocks_per_sm = [&](int threads) {
-      return max_blocks_per_sm(reinterpret_cast<const void*>(l.kernel), device, threads, threads * l.thread_shared);
+      return max_blocks_per_sm(reinterpret_cast<const void*>(lay.kernel), device, threads, threads * lay.thread_shared);
     };
     const int shared_row_threads = accs == 3 ? 64 : 128;
-    while (vecs > 1 && sums && l.slices == 1 && l.cfg.threads_per_row <= shared_row_threads &&
-           l.block < 4 * l.cfg.threads_per_row && 2 * l.block <= kBwdMaxBlock &&
-           2 * l.block * l.thread_shared <= shared_room && 2 * blocks_per_sm(2 * l.block) >= blocks_per_sm(l.block)) {
-      l.block *= 2;
+    while (vecs > 1 && sums && lay.slices == 1 && lay.cfg.threads_per_row <= shared_row_threads &&
+           lay.block < 4 * lay.cfg.threads_per_row && 2 * lay.block <= kBwdMaxBlock &&
+           2 * lay.block * lay.thread_shared <= shared_room && 2 * blocks_per_sm(2 * lay.block) >= blocks_per_sm(lay.block)) {
+      lay.block *= 2;
     }
-    return l;
+    return lay;
   };
   Layout chosen = layout(vector ? bwd_vecs(V, sizeof(G), accs) : bwd_vecs(1, sizeof(G), accs));
   // At most one row an SM, rows of up to kBwdFewRowsBlock vectors take one vector a thread,
@@ -762,7 +762,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   // several blocks (and a column_sum_kernel launch after them).
   if (NORMED && vector && nvec <= kBwdFewRowsBlock && a.rows <= sm_count(device)) {
     const Layout few = layout(1);
-    const auto block_rows = [](const Layout& l) { return l.block / l.cfg.threads_per_row; };
+    const auto block_rows = [](const Layout& lay) { return lay.block / lay.cfg.threads_per_row; };
     const bool one_block = sums && chosen.slices == 1 && a.group_rows <= block_rows(chosen);
     if (!one_block || a.group_rows <= block_rows(few)) chosen = few;
   }
