@@ -213,15 +213,17 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
 
   // The factor g at vector i: factor_offset + weight, factor_offset + scale (scale_row:
   // the row's scale), or 1.
+  // From the loaded scale or weight vector.
+  auto factor_of = [&](const auto& loaded, float (&f)[VEC]) {
+    to_floats(loaded, f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
+  };
   auto load_factor = [&](const T* scale_row, int i, float (&f)[VEC]) {
     if constexpr (MODULATE) {
-      to_floats(load_vec<T, VEC>(scale_row, i), f);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
+      factor_of(load_vec<T, VEC>(scale_row, i), f);
     } else if (p.weight != nullptr) {
-      to_floats(load_vec<W, VEC>(p.weight, i), f);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
+      factor_of(load_vec<W, VEC>(p.weight, i), f);
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] = 1.f;
@@ -253,11 +255,10 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
     }
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      if (MODULATE || weighted) {
-        if constexpr (MODULATE) to_floats(scale_vecs[k], own_factor[k]);
-        else to_floats(weight_vecs[k], own_factor[k]);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) own_factor[k][j] += p.factor_offset;
+      if constexpr (MODULATE) {
+        factor_of(scale_vecs[k], own_factor[k]);
+      } else if (weighted) {
+        factor_of(weight_vecs[k], own_factor[k]);
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) own_factor[k][j] = 1.f;
@@ -723,12 +724,15 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     int slices, block;
     std::size_t thread_shared;
   };
+  auto blocks_per_sm = [&](const Layout& lay, int threads) {
+    return max_blocks_per_sm(reinterpret_cast<const void*>(lay.kernel), device, threads, threads * lay.thread_shared);
+  };
   // The launch at `vecs` vectors a thread (one: few rows, a block a row past 32 threads).
   auto layout = [&](int vecs) {
     Layout lay{};
     lay.kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, bwd_vecs(V, sizeof(G), accs)>
-                      : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED, bwd_vecs(1, sizeof(G), accs)>;
-    if constexpr (NORMED) {
+                        : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED, bwd_vecs(1, sizeof(G), accs)>;
+    if constexpr (NORMED) {  // one vector a thread: the normed ops' vector path only
       if (vecs == 1) lay.kernel = norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, 1>;
     }
     lay.cfg = row_launch(nvec, vecs, vecs == 1 ? kBwdFewRowsBlock : bwd_row_threads(accs));
@@ -745,18 +749,16 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     // grads (D = 4096 in 16 bits) pair up in 256-thread blocks, as many threads per SM; with
     // three (gated_residual_adaln's 128-thread rows at D = 2048) that was slower
     // (docs/decisions.md).
-    auto blocks_per_sm = [&](int threads) {
-      return max_blocks_per_sm(reinterpret_cast<const void*>(lay.kernel), device, threads, threads * lay.thread_shared);
-    };
     const int shared_row_threads = accs == 3 ? 64 : 128;
     while (vecs > 1 && sums && lay.slices == 1 && lay.cfg.threads_per_row <= shared_row_threads &&
            lay.block < 4 * lay.cfg.threads_per_row && 2 * lay.block <= kBwdMaxBlock &&
-           2 * lay.block * lay.thread_shared <= shared_room && 2 * blocks_per_sm(2 * lay.block) >= blocks_per_sm(lay.block)) {
+           2 * lay.block * lay.thread_shared <= shared_room &&
+           2 * blocks_per_sm(lay, 2 * lay.block) >= blocks_per_sm(lay, lay.block)) {
       lay.block *= 2;
     }
     return lay;
   };
-  Layout chosen = layout(vector ? bwd_vecs(V, sizeof(G), accs) : bwd_vecs(1, sizeof(G), accs));
+  Layout chosen = layout(bwd_vecs(vec, sizeof(G), accs));
   // At most one row an SM, rows of up to kBwdFewRowsBlock vectors take one vector a thread,
   // unless the group's rows, which one block of the wider layout holds, would then need
   // several blocks (and a column_sum_kernel launch after them).
@@ -770,9 +772,6 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const RowLaunch cfg = chosen.cfg;
   const int slices = chosen.slices, block = chosen.block;
   const std::size_t thread_shared = chosen.thread_shared;
-  auto blocks_per_sm = [&](int threads) {
-    return max_blocks_per_sm(reinterpret_cast<const void*>(kernel), device, threads, threads * thread_shared);
-  };
   const int rows_per_block = block / cfg.threads_per_row;
   const int64_t groups = a.rows / a.group_rows;
   // The kernel loads a per-batch AdaLN scale once per block: its groups are batch entries.
@@ -782,7 +781,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
 
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
-  int64_t resident_rows = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(block) / slices;
+  int64_t resident_rows = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(chosen, block) / slices;
   // Rows wider than one block: on sm_90 and later, with the kernel's code built for sm_90 or
   // later (the cluster helpers; max_active_clusters says 0 otherwise), its slices form a
   // cluster (up to the portable 8) and exchange their row sums, so that each block reads
