@@ -211,14 +211,14 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
     }
   }
 
-  // The factor g at vector i: factor_offset + weight, factor_offset + scale (scale_row:
-  // the row's scale), or 1.
-  // From the loaded scale or weight vector.
+  // The factor g of a loaded scale or weight vector: factor_offset + it, in fp32.
   auto factor_of = [&](const auto& loaded, float (&f)[VEC]) {
     to_floats(loaded, f);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) f[j] += p.factor_offset;
   };
+  // The factor g at vector i: factor_offset + weight, factor_offset + scale (scale_row:
+  // the row's scale), or 1.
   auto load_factor = [&](const T* scale_row, int i, float (&f)[VEC]) {
     if constexpr (MODULATE) {
       factor_of(load_vec<T, VEC>(scale_row, i), f);
