@@ -2,8 +2,9 @@
 // column slice of bwd_vecs vectors per thread (one at few rows, a row a block) and walks a
 // fixed set of rows of one group, keeping its slice of x and dy in registers and adding its
 // slice of the column grads into fp32 shared memory (each thread its own slots: no atomics,
-// no races); it then writes one partial row per column grad, which column_sum_kernel adds
-// up in a fixed order (a grid of one row block writes the sums themselves; the gated
+// no races); it then writes one partial row per column grad, which column_sum_kernel (or,
+// at up to eight partial rows, few_column_sum_kernel) adds up in a fixed order (a grid of
+// one row block writes the sums themselves; the gated
 // residual alone at few rows a batch entry takes gate_backward_columns_kernel instead).
 // Rows wider than one slice are split over blockIdx.x: on sm_90 the slices of a row are one
 // cluster's blocks, which exchange their row sums through distributed shared memory;
@@ -36,10 +37,16 @@ __host__ __device__ constexpr int bwd_vecs(int vec, int grad_bytes, int accs) {
 // apart; 12, 20 or 28 on the scalar path or at one vector a thread).
 __host__ __device__ constexpr int bwd_thread_floats(int vecs, int vec, int accs) { return accs * vecs * vec + 4; }
 constexpr int kBwdMaxBlock = 256;
-// At most one row an SM (few rows: decode steps, small batches) a thread takes one vector, a
-// row up to this many threads: the SMs have room for them, and a thread's chain of dependent
-// instructions, which sets a lone row's time, is a quarter as long.
+// At most one row an SM (few rows: decode steps, small batches) a thread takes one vector:
+// the SMs have room for them, and a thread's chain of dependent instructions, which sets a
+// lone row's time, is a quarter as long. A row takes one block of up to kBwdFewRowsBlock
+// threads; on sm_90 a wider one takes five to eight slices that form one cluster, of
+// kBwdFewRowsSlice threads up to 1024 vectors and twice that up to 2048, so that its
+// instructions spread over as many SMs (narrower rows split into two to four slices lose
+// more to the cluster's exchange of row sums than they gain: docs/decisions.md).
 constexpr int kBwdFewRowsBlock = 512;
+constexpr int kBwdFewRowsSlice = 128;
+constexpr int kBwdMaxCluster = 8;  // the portable cluster size
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
 // AdaLN's backward kernels load their first row before the scale on sm_90 only: compiled
@@ -589,6 +596,39 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
   }
 }
 
+// column_sum_kernel's sums over at most kFewPartialRows partial rows (few rows): a thread
+// adds one vector of columns over them in order, every load out first, and writes the
+// sums, with none of column_sum_kernel's shared-memory tile or barriers (its split of many
+// partial rows over threads).
+constexpr int kFewPartialRows = 8, kFewSumThreads = 128;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kFewSumThreads) few_column_sum_kernel(const ColumnSums grads, int partial_rows,
+                                                                        int cols) {
+  const int first_col = (blockIdx.x * kFewSumThreads + threadIdx.x) * VEC;
+  if (first_col >= cols) return;
+  auto pick = [](const auto (&field)[3]) { return blockIdx.z == 0 ? field[0] : blockIdx.z == 1 ? field[1] : field[2]; };
+  const float* group = pick(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols + first_col;
+  Vec<float, VEC> parts[kFewPartialRows];
+#pragma unroll
+  for (int b = 0; b < kFewPartialRows; ++b) {
+    if (b < partial_rows) parts[b] = load_vec<float, VEC>(group + static_cast<int64_t>(b) * cols, 0);
+  }
+  Vec<float, VEC> total = parts[0];
+#pragma unroll
+  for (int b = 1; b < kFewPartialRows; ++b) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) total.v[j] += b < partial_rows ? parts[b].v[j] : 0.f;
+  }
+  const int64_t out = static_cast<int64_t>(blockIdx.y) * cols + first_col;
+  void* sums = pick(grads.sums);
+  if (pick(grads.fp32)) {
+    store_vec<float, VEC>(static_cast<float*>(sums) + out, 0, total);
+  } else {
+    store_vec<T, VEC>(static_cast<T*>(sums) + out, 0, from_floats<T>(total.v));
+  }
+}
+
 // The gated residual alone at few rows in all, the gate's grad summed over each group's
 // (batch entry's) rows: a thread owns one column vector of its group and walks rows
 // threadIdx.y, threadIdx.y + blockDim.y, ..., four at a time with their loads all out
@@ -727,15 +767,16 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   auto blocks_per_sm = [&](const Layout& lay, int threads) {
     return max_blocks_per_sm(reinterpret_cast<const void*>(lay.kernel), device, threads, threads * lay.thread_shared);
   };
-  // The launch at `vecs` vectors a thread (one: few rows, a block a row past 32 threads).
-  auto layout = [&](int vecs) {
+  // The launch at `vecs` vectors a thread (one: few rows, a row's slices of up to
+  // `few_threads` threads).
+  auto layout = [&](int vecs, int few_threads = kBwdFewRowsBlock) {
     Layout lay{};
     lay.kernel = vector ? norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, bwd_vecs(V, sizeof(G), accs)>
                         : norm_backward_kernel<T, W, G, 1, KIND, MODULATE, GATED, NORMED, bwd_vecs(1, sizeof(G), accs)>;
     if constexpr (NORMED) {  // one vector a thread: the normed ops' vector path only
       if (vecs == 1) lay.kernel = norm_backward_kernel<T, W, G, V, KIND, MODULATE, GATED, NORMED, 1>;
     }
-    lay.cfg = row_launch(nvec, vecs, vecs == 1 ? kBwdFewRowsBlock : bwd_row_threads(accs));
+    lay.cfg = row_launch(nvec, vecs, vecs == 1 ? few_threads : bwd_row_threads(accs));
     const int64_t slice_vecs = static_cast<int64_t>(lay.cfg.threads_per_row) * vecs;
     lay.slices = static_cast<int>((nvec + slice_vecs - 1) / slice_vecs);
     lay.thread_shared = sums ? bwd_thread_floats(vecs, vec, accs) * sizeof(float) : 0;
@@ -759,11 +800,19 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     return lay;
   };
   Layout chosen = layout(bwd_vecs(vec, sizeof(G), accs));
-  // At most one row an SM, rows of up to kBwdFewRowsBlock vectors take one vector a thread,
+  // Clusters: sm_90 and later, with the kernel's code built for sm_90 or later (the cluster
+  // helpers; max_active_clusters says 0 otherwise).
+  const bool cluster_arch = device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
+  // At most one row an SM, rows of up to kBwdFewRowsBlock vectors (kBwdMaxCluster slices
+  // of up to 2 x kBwdFewRowsSlice threads where clusters are) take one vector a thread,
   // unless the group's rows, which one block of the wider layout holds, would then need
   // several blocks (and a column_sum_kernel launch after them).
-  if (NORMED && vector && nvec <= kBwdFewRowsBlock && a.rows <= sm_count(device)) {
-    const Layout few = layout(1);
+  const int few_threads = !cluster_arch || nvec <= kBwdFewRowsBlock      ? kBwdFewRowsBlock
+                          : nvec <= kBwdMaxCluster * kBwdFewRowsSlice ? kBwdFewRowsSlice
+                                                                      : 2 * kBwdFewRowsSlice;
+  const int64_t few_vecs = cluster_arch ? kBwdMaxCluster * 2 * kBwdFewRowsSlice : kBwdFewRowsBlock;
+  if (NORMED && vector && nvec <= few_vecs && a.rows <= sm_count(device)) {
+    const Layout few = layout(1, few_threads);
     const auto block_rows = [](const Layout& lay) { return lay.block / lay.cfg.threads_per_row; };
     const bool one_block = sums && chosen.slices == 1 && a.group_rows <= block_rows(chosen);
     if (!one_block || a.group_rows <= block_rows(few)) chosen = few;
@@ -782,13 +831,11 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   // One wave of blocks, each walking its share of the rows (each adds one partial row per
   // column grad, so no more blocks than fit at once).
   int64_t resident_rows = static_cast<int64_t>(sm_count(device)) * blocks_per_sm(chosen, block) / slices;
-  // Rows wider than one block: on sm_90 and later, with the kernel's code built for sm_90 or
-  // later (the cluster helpers; max_active_clusters says 0 otherwise), its slices form a
-  // cluster (up to the portable 8) and exchange their row sums, so that each block reads
-  // only its own slice (else each reads the whole row for the sums, and the wider the row
-  // the more it re-reads). The gated residual alone takes no row sums.
-  bool clustered = NORMED && slices > 1 && slices <= 8 &&
-                   device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
+  // Rows wider than one block: where clusters are, its slices form one and exchange their
+  // row sums, so that each block reads only its own slice (else each reads the whole row for
+  // the sums, and the wider the row the more it re-reads). The gated residual alone takes no
+  // row sums.
+  bool clustered = NORMED && slices > 1 && slices <= kBwdMaxCluster && cluster_arch;
   if (clustered) {
     TORCH_INTERNAL_ASSERT(rows_per_block == 1, "norm backward: a cluster's blocks hold one row each");
     const int clusters = max_active_clusters(reinterpret_cast<const void*>(kernel), device, slices, block, shared);
@@ -863,7 +910,16 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     // The partial buffers are fresh allocations with rows of cols floats: 16-byte aligned
     // when cols is a multiple of 4.
     constexpr int kSumVec = 4;
-    if (a.cols % kSumVec == 0) {
+    if (row_blocks <= kFewPartialRows) {
+      const int vec = a.cols % kSumVec == 0 ? kSumVec : 1;
+      const dim3 grid(static_cast<unsigned>((a.cols / vec + kFewSumThreads - 1) / kFewSumThreads),
+                      static_cast<unsigned>(groups), count);
+      if (vec == kSumVec) {
+        few_column_sum_kernel<T, kSumVec><<<grid, kFewSumThreads, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+      } else {
+        few_column_sum_kernel<T, 1><<<grid, kFewSumThreads, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+      }
+    } else if (a.cols % kSumVec == 0) {
       const dim3 block(kSumCols / kSumVec, kSumThreads * kSumVec / kSumCols);
       column_sum_kernel<T, kSumVec><<<sum_grid, block, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
     } else {

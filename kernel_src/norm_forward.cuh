@@ -1013,12 +1013,17 @@ void launch_lean_rows(const NormArgs& a, cudaStream_t stream, int block = 128) {
 }
 
 // The lean rows' production layout: a vector a thread, rows of a warp or less sharing
-// 128-thread blocks (as row_launch's), wider rows a block each; past 512 vectors (the
-// block's bound) two or four vectors a thread, which plain RMSNorm's rows never reach (see
-// launch).
+// 128-thread blocks (as row_launch's); LayerNorm's rows of up to two vectors a lane a warp
+// at two a thread, sharing such blocks (its two reductions, mean then variance, each cost a
+// block barrier on a block's row; RMSNorm's one gains nothing); wider rows a block each;
+// past 512 vectors (the block's bound) two or four vectors a thread, which plain RMSNorm's
+// rows never reach (see launch).
 template <typename T, NormKind KIND, bool RESIDUAL, bool MODULATE>
 void launch_lean(const NormArgs& a, int64_t nvec, cudaStream_t stream) {
   if (nvec <= 32) return launch_lean_rows<T, 1, false, KIND, RESIDUAL, MODULATE>(a, stream);
+  if constexpr (KIND == NormKind::kLayer) {
+    if (nvec <= 64) return launch_lean_rows<T, 2, false, KIND, RESIDUAL, MODULATE>(a, stream);
+  }
   if (nvec <= kLeanThreads) return launch_lean_rows<T, 1, true, KIND, RESIDUAL, MODULATE>(a, stream);
   if constexpr (RESIDUAL || MODULATE) {
     if (nvec <= 2 * kLeanThreads) return launch_lean_rows<T, 2, true, KIND, RESIDUAL, MODULATE>(a, stream);

@@ -274,17 +274,21 @@ def test_grads_of_one_row_block(kernel, device, op, tokens, dtype):
     _check_grads_of_rows(kernel, device, op, dtype, 4096 if wide else 2048, tokens)
 
 
-# Few rows (at most one an SM): on CUDA a thread takes one vector and a row a block, unless
-# the group's rows would otherwise share one block. Groups of 3-130 rows (a batch entry of
-# 3-65 tokens; rms_norm's group is the whole batch of two), at two to four rows a block of
-# the wider layout and past them; an odd width (the scalar path, which keeps that layout).
+# Few rows (at most one an SM): on CUDA a thread takes one vector and a row of up to 512
+# vectors a block ("vector"); on sm_90 a row of 1024 ("wide") or 2048 ("wider") a cluster of
+# eight row slices of 128 or 256 threads (elsewhere the wider layout), unless the group's
+# rows would otherwise share one block. Groups of 3-130 rows (a batch entry of 3-65 tokens;
+# rms_norm's group is the whole batch of two), at two to four rows a block of the wider
+# layout and past them; an odd width (the scalar path, which keeps that layout).
 @pytest.mark.parametrize("op", SHARING_OPS)
 @pytest.mark.parametrize("tokens", [3, 4, 16, 17, 64, 65])
-@pytest.mark.parametrize("path", ["vector", "scalar"])
+@pytest.mark.parametrize("path", ["vector", "wide", "wider", "scalar"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grads_of_few_rows(kernel, device, op, tokens, path, dtype):
     wide = dtype != torch.float32 and op != "rms_norm_fp32_out"
-    _check_grads_of_rows(kernel, device, op, dtype, 509 if path == "scalar" else 4096 if wide else 2048, tokens)
+    cols = {"scalar": 509, "vector": 4096 if wide else 2048, "wide": 8192 if wide else 4096,
+            "wider": 16384 if wide else 8192}[path]
+    _check_grads_of_rows(kernel, device, op, dtype, cols, tokens)
 
 
 def _check_grads_of_rows(kernel, device, op, dtype, cols, tokens=301):

@@ -248,7 +248,8 @@ def test_gated_residual_adaln(kernel, device, s, d, dtype, norm):
 
 # The lean kernel's layouts, every op of the norm family in 16 bits (inputs [2, rows, D]):
 # rows of at most 64 vectors at any batch, a vector a thread, several rows to a block (100 x 128: two rows a warp; 80 x 192: lanes
-# without a vector; 8194 x 256: the last block short of rows; 602 x 512: two warps a row),
+# without a vector; 8194 x 256: the last block short of rows; 602 x 512: two warps a row,
+# LayerNorm's a warp at two vectors a thread; 66 x 504: its last lane without a second),
 # and decode rows (fewer than two per SM), a block a row at one vector a thread (10 x 2568:
 # the last warp partly without a vector), two (4 x 6144; 6 x 4104: most threads without a
 # second vector) or four (6 x 12288). The sum may be written into the residual or the input:
