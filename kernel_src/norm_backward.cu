@@ -4,8 +4,8 @@
 // slice of the column grads into fp32 shared memory (each thread its own slots: no atomics,
 // no races); it then writes one partial row per column grad, which column_sum_kernel (or,
 // at up to eight partial rows, few_column_sum_kernel) adds up in a fixed order (a grid of
-// one row block writes the sums themselves; the gated
-// residual alone at few rows a batch entry takes gate_backward_columns_kernel instead).
+// one row block writes the sums themselves; the gated residual alone at few rows a batch
+// entry takes gate_backward_columns_kernel instead).
 // Rows wider than one slice are split over blockIdx.x: on sm_90 the slices of a row are one
 // cluster's blocks, which exchange their row sums through distributed shared memory;
 // elsewhere (or past 8 slices) each block reads the whole row for the row sums (the other
