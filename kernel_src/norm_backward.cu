@@ -5,12 +5,12 @@
 // no races); it then writes one partial row per column grad, which column_sum_kernel (or,
 // at up to eight partial rows, few_column_sum_kernel) adds up in a fixed order (a grid of
 // one row block writes the sums themselves; the gated residual alone at few rows a batch
-// entry takes gate_backward_columns_kernel instead).
-// Rows wider than one slice are split over blockIdx.x: on sm_90 the slices of a row are one
-// cluster's blocks, which exchange their row sums through distributed shared memory;
-// elsewhere (or past 8 slices) each block reads the whole row for the row sums (the other
-// slices' reads partly hit L2). The measurements behind the launch constants, and the
-// alternatives they beat, are rows of docs/decisions.md.
+// entry takes gate_backward_columns_kernel instead). Rows wider than one slice are split
+// over blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange
+// their row sums through distributed shared memory; elsewhere (or past 8 slices) each block
+// reads the whole row for the row sums (the other slices' reads partly hit L2). The
+// measurements behind the launch constants, and the alternatives they beat, are rows of
+// docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 
@@ -549,6 +549,13 @@ struct ColumnSums {
   bool fp32[3];
 };
 
+// ColumnSums' field of the column grad blockIdx.z. Selected, not indexed: a parameter array
+// indexed at run time is copied to the stack.
+template <typename F>
+__device__ __forceinline__ F pick_grad(const F (&field)[3]) {
+  return blockIdx.z == 0 ? field[0] : blockIdx.z == 1 ? field[1] : field[2];
+}
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSums grads, int partial_rows, int cols) {
   constexpr int kRowThreads = kSumThreads * VEC / kSumCols;  // blockDim.y
@@ -556,9 +563,7 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
   __shared__ float4 tile_storage[kRowThreads * kSumCols / 4];
   float(*tile)[kSumCols] = reinterpret_cast<float(*)[kSumCols]>(tile_storage);
   const int first_col = blockIdx.x * kSumCols + threadIdx.x * VEC;
-  // Selected, not indexed: a parameter array indexed at run time is copied to the stack.
-  auto pick = [](const auto (&field)[3]) { return blockIdx.z == 0 ? field[0] : blockIdx.z == 1 ? field[1] : field[2]; };
-  const float* group = pick(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
+  const float* group = pick_grad(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols;
   float acc[VEC] = {};
   if (first_col < cols) {
     // 16-byte loads, eight in flight per thread (the adds keep their order): the partial
@@ -588,8 +593,8 @@ __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSum
 #pragma unroll
   for (int s = 0; s < kSegments; ++s) total += tile[s][t];
   const int64_t out = static_cast<int64_t>(blockIdx.y) * cols + out_col;
-  void* sums = pick(grads.sums);
-  if (pick(grads.fp32)) {
+  void* sums = pick_grad(grads.sums);
+  if (pick_grad(grads.fp32)) {
     static_cast<float*>(sums)[out] = total;
   } else {
     static_cast<T*>(sums)[out] = from_float<T>(total);
@@ -607,8 +612,7 @@ __global__ void __launch_bounds__(kFewSumThreads) few_column_sum_kernel(const Co
                                                                         int cols) {
   const int first_col = (blockIdx.x * kFewSumThreads + threadIdx.x) * VEC;
   if (first_col >= cols) return;
-  auto pick = [](const auto (&field)[3]) { return blockIdx.z == 0 ? field[0] : blockIdx.z == 1 ? field[1] : field[2]; };
-  const float* group = pick(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols + first_col;
+  const float* group = pick_grad(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols + first_col;
   Vec<float, VEC> parts[kFewPartialRows];
 #pragma unroll
   for (int b = 0; b < kFewPartialRows; ++b) {
@@ -620,13 +624,8 @@ __global__ void __launch_bounds__(kFewSumThreads) few_column_sum_kernel(const Co
 #pragma unroll
     for (int j = 0; j < VEC; ++j) total.v[j] += b < partial_rows ? parts[b].v[j] : 0.f;
   }
-  const int64_t out = static_cast<int64_t>(blockIdx.y) * cols + first_col;
-  void* sums = pick(grads.sums);
-  if (pick(grads.fp32)) {
-    store_vec<float, VEC>(static_cast<float*>(sums) + out, 0, total);
-  } else {
-    store_vec<T, VEC>(static_cast<T*>(sums) + out, 0, from_floats<T>(total.v));
-  }
+  store_sums<T, VEC>(static_cast<float*>(pick_grad(grads.sums)), static_cast<int64_t>(blockIdx.y) * cols + first_col, 0,
+                    total, !pick_grad(grads.fp32));
 }
 
 // The gated residual alone at few rows in all, the gate's grad summed over each group's
