@@ -40,10 +40,10 @@ constexpr int kBwdMaxBlock = 256;
 // At most one row an SM (few rows: decode steps, small batches) a thread takes one vector:
 // the SMs have room for them, and a thread's chain of dependent instructions, which sets a
 // lone row's time, is a quarter as long. A row takes one block of up to kBwdFewRowsBlock
-// threads; on sm_90 a wider one of up to 1024 vectors takes five to eight slices of
-// kBwdFewRowsSlice threads that form one cluster, so that its instructions spread over as
-// many SMs (narrower rows split into two to four slices lose more to the cluster's exchange
-// of row sums than they gain: docs/decisions.md).
+// threads; on sm_90 a wider one takes five to eight slices that form one cluster, of
+// kBwdFewRowsSlice threads up to 1024 vectors and twice that up to 2048, so that its
+// instructions spread over as many SMs (narrower rows split into two to four slices lose
+// more to the cluster's exchange of row sums than they gain: docs/decisions.md).
 constexpr int kBwdFewRowsBlock = 512;
 constexpr int kBwdFewRowsSlice = 128;
 constexpr int kBwdMaxCluster = 8;  // the portable cluster size
@@ -803,11 +803,13 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   // helpers; max_active_clusters says 0 otherwise).
   const bool cluster_arch = device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
   // At most one row an SM, rows of up to kBwdFewRowsBlock vectors (kBwdMaxCluster slices
-  // of kBwdFewRowsSlice threads where clusters are) take one vector a thread, unless the
-  // group's rows, which one block of the wider layout holds, would then need several blocks
-  // (and a column_sum_kernel launch after them).
-  const int few_threads = cluster_arch && nvec > kBwdFewRowsBlock ? kBwdFewRowsSlice : kBwdFewRowsBlock;
-  const int64_t few_vecs = cluster_arch ? kBwdMaxCluster * kBwdFewRowsSlice : kBwdFewRowsBlock;
+  // of up to 2 x kBwdFewRowsSlice threads where clusters are) take one vector a thread,
+  // unless the group's rows, which one block of the wider layout holds, would then need
+  // several blocks (and a column_sum_kernel launch after them).
+  const int few_threads = !cluster_arch || nvec <= kBwdFewRowsBlock      ? kBwdFewRowsBlock
+                          : nvec <= kBwdMaxCluster * kBwdFewRowsSlice ? kBwdFewRowsSlice
+                                                                      : 2 * kBwdFewRowsSlice;
+  const int64_t few_vecs = cluster_arch ? kBwdMaxCluster * 2 * kBwdFewRowsSlice : kBwdFewRowsBlock;
   if (NORMED && vector && nvec <= few_vecs && a.rows <= sm_count(device)) {
     const Layout few = layout(1, few_threads);
     const auto block_rows = [](const Layout& lay) { return lay.block / lay.cfg.threads_per_row; };

@@ -208,14 +208,23 @@ __global__ void __launch_bounds__(max_block(WHOLE_GROUPS), WHOLE_GROUPS ? kWhole
 }
 
 // Rotate-half's lean rows: every channel rotating, a head's 8-byte units over the block's x
-// threads (one unit each) and HEADS heads a row of threads (head counts multiples of
-// HEADS), a token's heads over gridDim.y blocks, one group a row: no loop, pass-through or
-// per-head select, where rope_kernel's general code costs a latency-bound token (a decode
-// step) most of its time. The math is rope_kernel's (UnitTables).
-template <typename T, typename C, int N, int HEADS>
-__global__ void __launch_bounds__(kWholeGroupsBlock, kWholeGroupsMinBlocks) rope_lean_kernel(const RopeParams<T, C> p) {
-  const int h0 = (blockIdx.y * blockDim.y + threadIdx.y) * HEADS;
-  if (h0 >= p.q.heads + p.k.heads) return;  // the last block's rows past the heads
+// threads (one unit each) and HEADS heads a row of threads, a token's heads over gridDim.y
+// blocks, one group a row: no loop, pass-through or per-head select, where rope_kernel's
+// general code costs a latency-bound token (a decode step) most of its time. TAILS: a
+// tensor's head count need not be a multiple of HEADS, its last group short of heads. The
+// math is rope_kernel's (UnitTables).
+template <typename T, typename C, int N, int HEADS, bool TAILS>
+__global__ void __launch_bounds__(kWholeGroupsBlock, kWholeGroupsMinBlocks)
+    rope_lean_kernel(const RopeParams<T, C> p) {
+  const int g = blockIdx.y * blockDim.y + threadIdx.y;
+  const int q_heads = static_cast<int>(p.q.heads), heads = q_heads + static_cast<int>(p.k.heads);
+  int h0 = g * HEADS, count = HEADS;
+  if constexpr (TAILS) {
+    const int q_groups = (q_heads + HEADS - 1) / HEADS;
+    h0 = g < q_groups ? g * HEADS : q_heads + (g - q_groups) * HEADS;
+    count = (g < q_groups ? q_heads : heads) - h0;
+  }
+  if (h0 >= heads || count <= 0) return;  // the last block's rows past the heads
   const uint32_t b = p.seq.div(blockIdx.x);
   const uint32_t s = blockIdx.x - b * p.seq.divisor;
   const auto group = TokenRows<T>(p.q, p.k, b, s).group(h0);
@@ -224,6 +233,7 @@ __global__ void __launch_bounds__(kWholeGroupsBlock, kWholeGroupsMinBlocks) rope
   Vec<T, N> x1[HEADS], x2[HEADS];
 #pragma unroll
   for (int j = 0; j < HEADS; ++j) {
+    if (TAILS && j >= count) continue;
     x1[j] = load_n<T, N, true>(group.in + j * group.in_h + i);
     x2[j] = load_n<T, N, true>(group.in + j * group.in_h + i + second);
   }
@@ -232,6 +242,7 @@ __global__ void __launch_bounds__(kWholeGroupsBlock, kWholeGroupsMinBlocks) rope
                                 second, p.inverse);
 #pragma unroll
   for (int j = 0; j < HEADS; ++j) {
+    if (TAILS && j >= count) continue;
     Vec<T, N> y1, y2;
     tables.rotate(x1[j], x2[j], y1, y2);
     T* out = group.out + j * group.out_h;
@@ -342,27 +353,30 @@ void launch_with(const RopeArgs& a, cudaStream_t stream, int head_blocks = 1) {
 
 // rope_lean_kernel over the tokens, a token's heads over at least `head_blocks` blocks (as
 // many as hold a group a row of threads). The caller checks lean_rope.
-template <typename T, typename C, int N, int HEADS>
+template <typename T, typename C, int N, int HEADS, bool TAILS>
 void launch_lean(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
   const int tx = static_cast<int>(a.rotary_dim / 2 / N);
-  const int64_t groups = (a.q.heads + a.k.heads) / HEADS;
+  const int64_t groups = TAILS ? (a.q.heads + HEADS - 1) / HEADS + (a.k.heads + HEADS - 1) / HEADS
+                               : (a.q.heads + a.k.heads) / HEADS;
   const int64_t tokens = grid_tokens(a);
   if (tokens == 0) return;
   // lean_rope keeps the groups within the grid's y bound: a group a row, one pass
   const int64_t blocks = head_blocks_for(groups, kWholeGroupsBlock / tx, head_blocks);
   const int rows = static_cast<int>((groups + blocks - 1) / blocks);
-  rope_lean_kernel<T, C, N, HEADS><<<dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(blocks)), dim3(tx, rows),
-                                     0, stream>>>(params_of<T, C>(a));
+  rope_lean_kernel<T, C, N, HEADS, TAILS><<<dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(blocks)),
+                                            dim3(tx, rows), 0, stream>>>(params_of<T, C>(a));
   check_launch();
 }
 
 // Whether rope_lean_kernel takes the heads at HEADS a row: every channel rotating, a head's
-// units within one row of threads, head counts multiples of HEADS, a block a group at most
-// within the grid's y bound (the caller checks the alignment of N-wide units).
+// units within one row of threads, head counts multiples of HEADS (or, with tails, any), a
+// block a group at most within the grid's y bound (the caller checks the alignment of N-wide
+// units).
 template <int N, int HEADS>
-bool lean_rope(const RopeArgs& a) {
+bool lean_rope(const RopeArgs& a, bool tails = false) {
+  const int64_t groups = (a.q.heads + HEADS - 1) / HEADS + (a.k.heads + HEADS - 1) / HEADS;
   return a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.rotary_dim / 2 / N <= kUnitThreads &&
-         a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0 && (a.q.heads + a.k.heads) / HEADS <= kMaxGridY;
+         (tails || (a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0)) && groups <= kMaxGridY;
 }
 
 // Whether rope_pairs_kernel takes an interleaved call at `unit_threads` (launch_pairs):
@@ -429,15 +443,18 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     // 8-byte units (fp32 too): two heads a thread have 32 bytes in flight and convert
     // their two table vectors once for both. Every channel rotating, the lean kernel takes
     // the heads: one a thread at decode (fewer than two tokens an SM, over
-    // kLeanDecodeHeadBlocks blocks a token), two a thread past it (even head counts).
-    // Otherwise rope_kernel at two heads a thread, a decode token's heads over four blocks,
-    // whole groups at even head counts. Four-head units and 16-byte units of one head were
-    // slower (benchmarks/rope_variants.py, docs/decisions.md).
+    // kLeanDecodeHeadBlocks blocks a token), two a thread past it (a tensor's odd head count
+    // a last group of one). Otherwise rope_kernel at two heads a thread, a decode token's
+    // heads over four blocks, whole groups at even head counts. Four-head units and 16-byte
+    // units of one head were slower (benchmarks/rope_variants.py, docs/decisions.md).
     constexpr int kHalfVec = V / 2;
     if (!vectorizable<T, C, kHalfVec>(a)) return launch_with<T, C, false, 1, 1>(a, stream);  // unaligned
     const bool decode = !two_rows_per_sm(a.batch * a.seq, a.device.index());
-    if (decode && lean_rope<kHalfVec, 1>(a)) return launch_lean<T, C, kHalfVec, 1>(a, stream, kLeanDecodeHeadBlocks);
-    if (!decode && lean_rope<kHalfVec, 2>(a)) return launch_lean<T, C, kHalfVec, 2>(a, stream, 1);
+    if (decode && lean_rope<kHalfVec, 1>(a)) {
+      return launch_lean<T, C, kHalfVec, 1, false>(a, stream, kLeanDecodeHeadBlocks);
+    }
+    if (!decode && lean_rope<kHalfVec, 2>(a)) return launch_lean<T, C, kHalfVec, 2, false>(a, stream, 1);
+    if (!decode && lean_rope<kHalfVec, 2>(a, true)) return launch_lean<T, C, kHalfVec, 2, true>(a, stream, 1);
     const int head_blocks = decode ? 4 : 1;
     if (a.q.heads % 2 == 0 && a.k.heads % 2 == 0) {
       return launch_with<T, C, false, kHalfVec, 2, true>(a, stream, head_blocks);

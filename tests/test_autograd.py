@@ -275,11 +275,11 @@ def test_grads_of_one_row_block(kernel, device, op, tokens, dtype):
 
 
 # Few rows (at most one an SM): on CUDA a thread takes one vector and a row of up to 512
-# vectors a block ("vector"); on sm_90 a row of 1024 ("wide") a cluster of eight row slices
-# of 128 threads (elsewhere, and at 2048 vectors, "wider", the wider layout), unless the
-# group's rows would otherwise share one block. Groups of 3-130 rows (a batch entry of 3-65
-# tokens; rms_norm's group is the whole batch of two), at two to four rows a block of the
-# wider layout and past them; an odd width (the scalar path, which keeps that layout).
+# vectors a block ("vector"); on sm_90 a row of 1024 ("wide") or 2048 ("wider") a cluster of
+# eight row slices of 128 or 256 threads (elsewhere the wider layout), unless the group's
+# rows would otherwise share one block. Groups of 3-130 rows (a batch entry of 3-65 tokens;
+# rms_norm's group is the whole batch of two), at two to four rows a block of the wider
+# layout and past them; an odd width (the scalar path, which keeps that layout).
 @pytest.mark.parametrize("op", SHARING_OPS)
 @pytest.mark.parametrize("tokens", [3, 4, 16, 17, 64, 65])
 @pytest.mark.parametrize("path", ["vector", "wide", "wider", "scalar"])

@@ -45,15 +45,18 @@ def interleaved_ref(x, cos, sin):
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 32, 8, 64, 128, 128), (2, 4, 4, 33, 64, 64), (2, 8, 2, 17, 128, 64), (1, 2, 1, 5, 80, 80), (3, 3, 1, 7, 6, 4),
     # 600+ tokens (>= 2 per SM) take a block a token on CUDA (or more), two heads a thread: 9
-    # or 7 heads leave a partial pair. Where every channel rotates, even head counts take
-    # the lean kernel; otherwise the whole-groups kernel, whose blocks of at most 320 threads
-    # hold 40 heads of 128 channels (20 in fp32), or the general kernel's of 512 threads 64
-    # (32): more heads spread over two or three blocks a token. 2048 channels: the lean
-    # kernel's widest head, a row of 256 threads (16-bit).
+    # or 7 heads leave a partial pair. Where every channel rotates, the lean kernel (a
+    # tensor's odd head count a last group of one); otherwise the whole-groups kernel, whose
+    # blocks of at most 320 threads hold 40 heads of 128 channels (20 in fp32), or the general
+    # kernel's of 512 threads 64 (32): more heads spread over two or three blocks a token.
+    # 2048 channels: the lean kernel's widest head, a row of 256 threads (16-bit). Two or
+    # three heads of odd counts: a token's groups in one small block, one tensor's group of one.
     (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96), (1, 8, 4, 640, 128, 128), (1, 48, 8, 600, 128, 128),
     (1, 61, 7, 600, 128, 128), (1, 48, 8, 600, 128, 96), (1, 2, 2, 600, 2048, 2048), (1, 2, 2, 1, 2048, 2048),
+    (1, 2, 1, 601, 128, 128), (3, 4, 1, 201, 128, 128),
 ], ids=["gqa", "mha", "partial", "d80", "odd_tiny", "many_tokens", "many_partial", "many_whole_groups",
-        "many_heads_lean", "many_heads_partial", "many_heads_whole_groups", "wide_heads", "wide_heads_decode"])
+        "many_heads_lean", "many_heads_partial", "many_heads_whole_groups", "wide_heads", "wide_heads_decode",
+        "many_tokens_few_heads", "few_heads_batched"])
 @pytest.mark.kernels_ci
 def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d, rotary, dtype):
     # Transposed views, as attention modules make them: [B, S, H, D] memory, [B, H, S, D] view.
@@ -70,11 +73,11 @@ def test_rotate_half_matches_transformers(kernel, device, batch, hq, hkv, seq, d
 @pytest.mark.parametrize("mode", ["new", "in_place", "out"])
 @pytest.mark.parametrize("batch, hq, hkv, seq, d, rotary", [
     (1, 5, 2, 7, 72, 72), (2, 6, 3, 300, 128, 128), (1, 5, 2, 640, 72, 64), (1, 4, 4, 640, 128, 96),
-    (1, 8, 4, 640, 128, 128),
+    (1, 8, 4, 640, 128, 128), (1, 1, 1, 641, 64, 64),
     # One token of heads wider than a block's units: CUDA spreads them over blocks.
     (1, 2, 1, 1, 4608, 4224),
 ], ids=["few_d72", "many_tokens", "many_d72_partial", "many_whole_groups_partial", "many_lean",
-        "one_token_wide_partial"])
+        "many_lean_one_head", "one_token_wide_partial"])
 def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, d, rotary, mode, dtype):
     """Random [B, S, R] tables whose halves differ, so a kernel that takes one half's cos
     or sin for the other fails (real tables are cat(f, f): equal halves). R = 72 (R/2 = 36
@@ -95,7 +98,8 @@ def test_rotate_half_distinct_table_halves(kernel, device, batch, hq, hkv, seq, 
 
 
 # fp32 tables with 16-bit q and k (16-byte table units on CUDA): a decode step (one head a
-# thread), many tokens of even head counts (two a thread) and of odd ones (rope_kernel).
+# thread), many tokens of even head counts (two a thread) and of odd ones (a last group of
+# one).
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("batch, hq, hkv, seq", [(4, 32, 8, 1), (1, 8, 4, 640), (1, 6, 3, 600)],
                          ids=["decode", "many_even", "many_odd"])
