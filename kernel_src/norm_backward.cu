@@ -8,9 +8,10 @@
 // entry takes gate_backward_columns_kernel instead). Rows wider than one slice are split
 // over blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange
 // their row sums through distributed shared memory; elsewhere (or past 8 slices) each block
-// reads the whole row for the row sums (the other slices' reads partly hit L2). The
-// measurements behind the launch constants, and the alternatives they beat, are rows of
-// docs/decisions.md.
+// reads the whole row for the row sums (the other slices' reads partly hit L2). Few rows of
+// up to 512 vectors without a gated residual, a block a row, take norm_backward_row_kernel
+// instead. The measurements behind the launch constants, and the alternatives they beat,
+// are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 
@@ -537,6 +538,146 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
   }
 }
 
+// N sums over the block (blockDim.x a multiple of 32): every value's warp sums, then one
+// barrier for all of them (block_sum's, N at once).
+template <int N>
+__device__ __forceinline__ void block_sums(float (&v)[N], float (*scratch)[32]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(v[j], 32);
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) scratch[j][warp] = v[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < warps ? scratch[j][lane] : 0.f, 32);
+}
+
+// Few rows of the normed ops without a gated residual (at most one row an SM, rows of up to
+// kBwdFewRowsBlock vectors): a block a row, a vector a thread, block (token, group). A row's
+// time is its threads' chain of dependent instructions, so everything norm_backward_kernel
+// decides at run time for its walk over rows is gone: no row loop, division, shared-memory
+// column accumulators or second barrier; every load (x, dy, the factor, the extra grad, the
+// saved statistics) goes out before the row sums, and each thread writes its vector of the
+// column grads (the block's partial row, or with one row a group the sums themselves, or the
+// per-token rows) straight from registers. STATS: AdaLN's saved (mean, rstd). The math is
+// norm_backward_kernel's.
+template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool STATS>
+__global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(const NormBwdParams<T, W, G> p) {
+  static_assert(!STATS || MODULATE, "norm backward rows: saved statistics come with AdaLN");
+  constexpr bool kLayer = KIND == NormKind::kLayer;
+  // The row sums' slots, and (LayerNorm without statistics) the mean's, apart: the row
+  // sums' writes then need no barrier after the mean's reads.
+  __shared__ float scratch[kBwdRowSums + 1][32];
+  const int i = threadIdx.x;
+  const bool has = i < p.cols / VEC;
+  const int64_t token = blockIdx.x, r = static_cast<int64_t>(blockIdx.y) * p.group_rows + token;
+  const T* x = p.input + r * p.input_stride;
+  Vec<T, VEC> xv{};
+  Vec<G, VEC> dyv{};
+  Vec<T, VEC> ev{};
+  Vec<T, VEC> sv{};
+  Vec<W, VEC> wv{};
+  if (has) {
+    xv = load_vec<T, VEC>(x, i);
+    dyv = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
+    if constexpr (MODULATE) {
+      sv = load_vec<T, VEC>(p.scale + static_cast<int64_t>(blockIdx.y) * p.scale_batch + token * p.scale_token, i);
+    } else if (p.weight != nullptr) {
+      wv = load_vec<W, VEC>(p.weight, i);
+    }
+    if (p.grad_extra != nullptr) ev = load_vec<T, VEC>(p.grad_extra + r * p.grad_extra_stride, i);
+  }
+  float2 saved = make_float2(0.f, 1.f);
+  if constexpr (STATS) saved = p.stats[r];
+  // LayerNorm without statistics sums offsets from the row's first element, as the forward.
+  const float first = kLayer && !STATS ? to_float(x[0]) : 0.f;
+
+  float xf[VEC], df[VEC], f[VEC];
+  to_floats(xv, xf);
+  to_floats(dyv, df);
+  if constexpr (MODULATE) {
+    to_floats(sv, f);
+  } else if (p.weight != nullptr) {
+    to_floats(wv, f);
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    f[j] = MODULATE || p.weight != nullptr ? f[j] + p.factor_offset : 1.f;
+    if (!has) xf[j] = first, df[j] = 0.f;  // adds nothing to any sum
+  }
+
+  float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
+  if constexpr (STATS) {
+    if constexpr (kLayer) mean = saved.x;
+    rstd = saved.y;
+    constexpr int kSums = kLayer ? 2 : 1;
+    float s[kSums] = {};
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float dn = df[j] * f[j];
+      s[0] += dn * xf[j];
+      if constexpr (kLayer) s[1] += dn;
+    }
+    block_sums(s, scratch);
+    if constexpr (kLayer) s[0] = fmaf(-mean, s[1], s[0]);
+    mean_dn_n = s[0] * rstd * p.inv_cols;
+    mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+  } else {
+    if constexpr (kLayer) {
+      float s[1] = {0.f};
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[0] += xf[j] - first;
+      block_sums(s, scratch + kBwdRowSums);
+      mean = first + s[0] * p.inv_cols;
+    }
+    constexpr int kSums = kLayer ? 3 : 2;
+    float s[kSums] = {};
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float c = has ? xf[j] - mean : 0.f;
+      const float dn = df[j] * f[j];
+      s[0] += c * c;
+      s[1] += dn * c;
+      if constexpr (kLayer) s[kSums - 1] += dn;
+    }
+    block_sums(s, scratch);
+    rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
+    mean_dn_n = s[1] * rstd * p.inv_cols;
+    mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+  }
+  if (!has) return;
+  const float neg_mean_rstd = -mean * rstd, dn_scale = rstd * mean_dn_n, neg_mean_dn = -rstd * mean_dn;
+  float g[VEC], normed[VEC], ex[VEC];
+  to_floats(ev, ex);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float dn = df[j] * f[j];
+    normed[j] = kLayer ? fmaf(xf[j], rstd, neg_mean_rstd) : xf[j] * rstd;
+    g[j] = kLayer ? fmaf(-normed[j], dn_scale, fmaf(dn, rstd, neg_mean_dn)) : rstd * (dn - normed[j] * mean_dn_n);
+    if (p.grad_extra != nullptr) g[j] += ex[j];
+  }
+  const int64_t out_row = r * p.cols;
+  store_vec<T, VEC>(p.grad_input + out_row, i, from_floats<T>(g));
+  // Rounding a float input to float changes nothing.
+  if (p.cast_before_weight && !std::is_same_v<T, float>) to_floats(from_floats<T>(normed), normed);
+  Vec<float, VEC> dy_n;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) dy_n.v[j] = df[j] * normed[j];
+  // One row a block: the block's partial row is row r of the group's rows (with one row a
+  // group, the sums).
+  if (p.factor_partial != nullptr) store_sums<T, VEC>(p.factor_partial, out_row, i, dy_n, p.rounded_partials & 1);
+  if constexpr (MODULATE) {
+    Vec<float, VEC> dyf;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dyf.v[j] = df[j];
+    if (p.shift_partial != nullptr) store_sums<T, VEC>(p.shift_partial, out_row, i, dyf, p.rounded_partials >> 1 & 1);
+    if (p.factor_rows != nullptr) store_vec<T, VEC>(p.factor_rows + out_row, i, from_floats<T>(dy_n.v));
+    if (p.shift_rows != nullptr) store_vec<T, VEC>(p.shift_rows + out_row, i, from_floats<T>(df));
+  }
+}
+
 // sums[g, c] = sum over b of partial[g, b, c], b in order, rounded once to the sums' dtype
 // (fp32 or T). A block takes 32 columns, VEC per thread, and splits the partial rows over
 // threadIdx.y; the threads' sums then add in a fixed order. blockIdx.z picks the column
@@ -810,11 +951,17 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                           : nvec <= kBwdMaxCluster * kBwdFewRowsSlice ? kBwdFewRowsSlice
                                                                       : 2 * kBwdFewRowsSlice;
   const int64_t few_vecs = cluster_arch ? kBwdMaxCluster * 2 * kBwdFewRowsSlice : kBwdFewRowsBlock;
+  bool row_kernel = false;
   if (NORMED && vector && nvec <= few_vecs && a.rows <= sm_count(device)) {
     const Layout few = layout(1, few_threads);
     const auto block_rows = [](const Layout& lay) { return lay.block / lay.cfg.threads_per_row; };
     const bool one_block = sums && chosen.slices == 1 && a.group_rows <= block_rows(chosen);
-    if (!one_block || a.group_rows <= block_rows(few)) chosen = few;
+    if (!one_block || a.group_rows <= block_rows(few)) {
+      chosen = few;
+      // A row of one block without a gated residual: norm_backward_row_kernel's, the same
+      // layout without the general kernel's walk over rows (docs/decisions.md).
+      row_kernel = !GATED && few.slices == 1;
+    }
   }
   const Kernel kernel = chosen.kernel;
   const RowLaunch cfg = chosen.cfg;
@@ -842,8 +989,10 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     if (clustered) resident_rows = clusters;
   }
   const int64_t wanted = std::max<int64_t>(1, resident_rows / groups);
-  const int row_blocks = static_cast<int>(std::min<int64_t>(
-      {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
+  // norm_backward_row_kernel: a block a row, a partial row each (a.rows <= the SMs).
+  const int row_blocks = row_kernel ? static_cast<int>(a.group_rows)
+                                    : static_cast<int>(std::min<int64_t>(
+                                          {wanted, (a.group_rows + rows_per_block - 1) / rows_per_block, 65535}));
   TORCH_CHECK(groups <= 65535, "norm backward: ", groups, " batch entries is more than one launch takes (65535)");
 
   // The column grads summed, each into its own partial rows: the weight's or scale's, the
@@ -889,7 +1038,19 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
                                  a.eps, a.inv_cols, a.factor_offset, a.cast_before_weight,
                                  clustered ? slices : 1};
   const dim3 grid(slices, row_blocks, static_cast<unsigned>(groups));
-  if (clustered) {
+  if (row_kernel) {
+    const auto run = [&](auto kernel) {
+      const unsigned threads = static_cast<unsigned>((nvec + 31) / 32 * 32);
+      kernel<<<dim3(static_cast<unsigned>(a.group_rows), static_cast<unsigned>(groups)), threads, 0, stream>>>(p);
+    };
+    if constexpr (NORMED && !GATED) {
+      if (MODULATE && a.stats != nullptr) {
+        run(norm_backward_row_kernel<T, W, G, V, KIND, MODULATE, MODULATE>);
+      } else {
+        run(norm_backward_row_kernel<T, W, G, V, KIND, MODULATE, false>);
+      }
+    }
+  } else if (clustered) {
     cudaLaunchAttribute attribute;
     const cudaLaunchConfig_t config = cluster_launch(grid, block, shared, stream, slices, attribute);
     C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, cfg.threads_per_row, slices));

@@ -72,10 +72,13 @@ def test_rms_norm_grads_without_weight_and_with_offset(kernel, device, dtype):
     _assert_grads_match(y, lambda x, w: rms_norm_ref(x, w, 1e-5, weight_offset=1.0), [x, w], dtype)
 
 
+# 14 rows, the residual's grad added to the input's: narrow (on CUDA one block of the wider
+# layout holds them all) and a block a row of 256 or 512 vectors (16-bit; fp32 at 2048).
 @pytest.mark.kernels_ci
+@pytest.mark.parametrize("cols", [128, 2048, 4096])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_add_rms_norm_grads(kernel, device, dtype):
-    x, r, w = _leaves(device, dtype, (2, 7, 128), (2, 7, 128), (128,))
+def test_fused_add_rms_norm_grads(kernel, device, cols, dtype):
+    x, r, w = _leaves(device, dtype, (2, 7, cols), (2, 7, cols), (cols,))
 
     def reference(x, r, w):
         h = x + r
@@ -158,13 +161,15 @@ def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
 # reads them (one row reduction fewer) or, called without them, computes them. Both match
 # the fp64 reference, on rows sharing a CUDA block (2048 16-bit / 1024 fp32 columns), the
 # scalar path (509) and rows split into column slices (9000); the input's mean is far from 0.
+# Few rows (2 x 5, at most one an SM): on CUDA a block a row at 2048 / 1024 columns.
 @pytest.mark.parametrize("op", ["adaln", "gated_residual_adaln"])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("cols", ["sharing", 509, 9000])
+@pytest.mark.parametrize("tokens", [301, 5], ids=["many", "few"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_adaln_backward_with_and_without_saved_stats(kernel, device, op, norm, cols, dtype):
+def test_adaln_backward_with_and_without_saved_stats(kernel, device, op, norm, cols, tokens, dtype):
     cols = (1024 if dtype == torch.float32 else 2048) if cols == "sharing" else cols
-    shape, per_batch = (2, 301, cols), (2, 1, cols)
+    shape, per_batch = (2, tokens, cols), (2, 1, cols)
 
     def randn(*size):
         return torch.randn(*size, device=device, dtype=dtype)
