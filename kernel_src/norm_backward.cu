@@ -959,8 +959,10 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     if (!one_block || a.group_rows <= block_rows(few)) {
       chosen = few;
       // A row of one block without a gated residual: norm_backward_row_kernel's, the same
-      // layout without the general kernel's walk over rows (docs/decisions.md).
-      row_kernel = !GATED && few.slices == 1;
+      // layout without the general kernel's walk over rows (docs/decisions.md), unless the
+      // layout was chosen for holding the group's narrow rows in one block, which then
+      // writes the sums without a second launch.
+      row_kernel = !GATED && few.slices == 1 && (!one_block || block_rows(few) == 1);
     }
   }
   const Kernel kernel = chosen.kernel;

@@ -161,14 +161,16 @@ def test_gated_residual_adaln_grads(kernel, device, norm, dtype):
 # reads them (one row reduction fewer) or, called without them, computes them. Both match
 # the fp64 reference, on rows sharing a CUDA block (2048 16-bit / 1024 fp32 columns), the
 # scalar path (509) and rows split into column slices (9000); the input's mean is far from 0.
-# Few rows (2 x 5, at most one an SM): on CUDA a block a row at 2048 / 1024 columns.
+# Few rows (2 x 5, at most one an SM): on CUDA a block a row at 2048 / 1024 columns, and at
+# 255 vectors ("ragged": the block's last thread past the row end joins the row sums).
 @pytest.mark.parametrize("op", ["adaln", "gated_residual_adaln"])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
-@pytest.mark.parametrize("cols", ["sharing", 509, 9000])
+@pytest.mark.parametrize("cols", ["sharing", "ragged", 509, 9000])
 @pytest.mark.parametrize("tokens", [301, 5], ids=["many", "few"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_adaln_backward_with_and_without_saved_stats(kernel, device, op, norm, cols, tokens, dtype):
-    cols = (1024 if dtype == torch.float32 else 2048) if cols == "sharing" else cols
+    wide = {"sharing": 2048, "ragged": 2040}
+    cols = (wide[cols] // 2 if dtype == torch.float32 else wide[cols]) if cols in wide else cols
     shape, per_batch = (2, tokens, cols), (2, 1, cols)
 
     def randn(*size):

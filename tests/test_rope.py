@@ -50,7 +50,7 @@ def interleaved_ref(x, cos, sin):
     # blocks of at most 320 threads hold 40 heads of 128 channels (20 in fp32), or the general
     # kernel's of 512 threads 64 (32): more heads spread over two or three blocks a token.
     # 2048 channels: the lean kernel's widest head, a row of 256 threads (16-bit). Two or
-    # three heads of odd counts: a token's groups in one small block, one tensor's group of one.
+    # three groups (3 or 5 heads): a token's groups in one small block, k's a group of one.
     (2, 6, 3, 300, 128, 128), (1, 6, 1, 600, 128, 96), (1, 8, 4, 640, 128, 128), (1, 48, 8, 600, 128, 128),
     (1, 61, 7, 600, 128, 128), (1, 48, 8, 600, 128, 96), (1, 2, 2, 600, 2048, 2048), (1, 2, 2, 1, 2048, 2048),
     (1, 2, 1, 601, 128, 128), (3, 4, 1, 201, 128, 128),
