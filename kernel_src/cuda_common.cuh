@@ -249,6 +249,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return group_sum(v, 32);
 }
 
+// block_sum of N values at once, with one barrier for all of them: scratch[j] holds value
+// j's 32 floats.
+template <int N>
+__device__ __forceinline__ void block_sums(float (&v)[N], float (*scratch)[32]) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(v[j], 32);
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) scratch[j][warp] = v[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < warps ? scratch[j][lane] : 0.f, 32);
+}
+
 // op over one row's threads: a lane group of up to a warp, or the row's warps, where a
 // block holds rows of threads_per_row consecutive threads (each row's result from its own
 // slots of `scratch`, 32 floats as block_sum's). Lanes past the row's warps add 0, which

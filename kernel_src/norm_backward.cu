@@ -151,6 +151,91 @@ __device__ __forceinline__ void add_cluster_sums(float (&v)[N], float* mine, int
   for (int j = 0; j < N; ++j) v[j] = group_sum(lane < blocks ? load_cluster_shared(mine + j, lane) : 0.f, 32);
 }
 
+// A normed row's sums over a thread's VEC elements, dn = dy * g. Given the forward's
+// statistics: sum dn * x and (LayerNorm) sum dn, the centred sum then taken as sum(dn * x)
+// - mean * sum(dn), so that the sums wait for no statistic (docs/decisions.md); its
+// rounding grows with |mean| / std, to about 1e-5 of dn at 1000 (CPU study in
+// docs/performance.md), far below bf16's.
+template <NormKind KIND, int VEC, int N>
+__device__ __forceinline__ void add_saved_sums(float (&s)[N], const float (&xf)[VEC], const float (&df)[VEC],
+                                               const float (&f)[VEC]) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float dn = df[j] * f[j];
+    s[0] += dn * xf[j];
+    if constexpr (KIND == NormKind::kLayer) s[1] += dn;
+  }
+}
+
+// Without statistics: the square sum of the row centred on `mean` (LayerNorm's from a first
+// pass, RMSNorm's 0), sum dn * centred and (LayerNorm) sum dn.
+template <NormKind KIND, int VEC, int N>
+__device__ __forceinline__ void add_centred_sums(float (&s)[N], const float (&xf)[VEC], const float (&df)[VEC],
+                                                 const float (&f)[VEC], float mean) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float c = xf[j] - mean;
+    const float dn = df[j] * f[j];
+    s[0] += c * c;
+    s[1] += dn * c;
+    if constexpr (KIND == NormKind::kLayer) s[N - 1] += dn;
+  }
+}
+
+// A normed row's statistics and dn means (mean_dn_n: of dn * n; mean_dn: LayerNorm's of dn),
+// from its summed row sums; mean 0 and rstd 1 before any (the gated residual alone).
+struct RowMeans {
+  float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
+};
+__host__ __device__ constexpr int saved_sums(NormKind kind) { return kind == NormKind::kLayer ? 2 : 1; }
+__host__ __device__ constexpr int centred_sums(NormKind kind) { return kind == NormKind::kLayer ? 3 : 2; }
+
+// From the forward's (mean, rstd) and add_saved_sums' row sums.
+template <NormKind KIND>
+__device__ __forceinline__ RowMeans saved_means(float2 stats, float (&s)[saved_sums(KIND)], float inv_cols) {
+  constexpr bool kLayer = KIND == NormKind::kLayer;
+  RowMeans m;
+  if constexpr (kLayer) m.mean = stats.x;  // RMSNorm's is 0: known at compile time
+  m.rstd = stats.y;
+  if constexpr (kLayer) s[0] = fmaf(-m.mean, s[1], s[0]);
+  m.mean_dn_n = s[0] * m.rstd * inv_cols;
+  m.mean_dn = kLayer ? s[saved_sums(KIND) - 1] * inv_cols : 0.f;
+  return m;
+}
+
+// From add_centred_sums' row sums about `mean`.
+template <NormKind KIND>
+__device__ __forceinline__ RowMeans centred_means(float mean, const float (&s)[centred_sums(KIND)], float inv_cols,
+                                                  float eps) {
+  RowMeans m;
+  m.mean = mean;
+  m.rstd = rsqrtf(s[0] * inv_cols + eps);
+  m.mean_dn_n = s[1] * m.rstd * inv_cols;
+  m.mean_dn = KIND == NormKind::kLayer ? s[centred_sums(KIND) - 1] * inv_cols : 0.f;
+  return m;
+}
+
+// A normed row's dx: LayerNorm's dx = rstd * (dn - mean_dn - n * mean_dn_n) and n = (x -
+// mean) * rstd as two FMAs each (RMSNorm's mean_dn and mean are 0: its forms stay). Folding
+// the mean into an FMA adds an error of about 2^-24 * |mean| / std to n, below that of x's
+// own rounding.
+template <NormKind KIND>
+struct RowGrad {
+  static constexpr bool kLayer = KIND == NormKind::kLayer;
+  float rstd, mean_dn_n, neg_mean_rstd, dn_scale, neg_mean_dn;
+
+  __device__ explicit RowGrad(const RowMeans& m)
+      : rstd(m.rstd),
+        mean_dn_n(m.mean_dn_n),
+        neg_mean_rstd(-m.mean * m.rstd),
+        dn_scale(m.rstd * m.mean_dn_n),
+        neg_mean_dn(-m.rstd * m.mean_dn) {}
+  __device__ float normed(float x) const { return kLayer ? fmaf(x, rstd, neg_mean_rstd) : x * rstd; }
+  __device__ float grad(float dn, float n) const {
+    return kLayer ? fmaf(-n, dn_scale, fmaf(dn, rstd, neg_mean_dn)) : rstd * (dn - n * mean_dn_n);
+  }
+};
+
 // NORMED: the row was normalised; without it (the gated residual alone) n = x, dx = dy * g
 // and KIND is unused.
 // VECS: vectors a thread (bwd_vecs, or one for few rows).
@@ -369,31 +454,19 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
       }
     };
 
-    float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
     // AdaLN's backward may have the forward's statistics: one reduction then, of the dn
-    // sums alone (sum of dn * centred, and LayerNorm's sum of dn). The centred sum is taken
-    // as sum(dn * x) - mean * sum(dn), so that the sums wait for no statistic
-    // (docs/decisions.md); its rounding grows with |mean| / std, to about 1e-5 of dn at
-    // 1000 (CPU study in docs/performance.md), far below bf16's.
+    // sums alone (add_saved_sums).
+    RowMeans means;
     if (kMayHaveStats && p.stats != nullptr) {
       const float2 saved = p.stats[r];
-      if constexpr (kLayer) mean = saved.x;  // RMSNorm's is 0: known at compile time
-      rstd = saved.y;
-      constexpr int kSums = kLayer ? 2 : 1;
-      float s[kSums] = {};
+      float s[saved_sums(KIND)] = {};
       for_row(s, [&](auto& sums, const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float dn = df[j] * f[j];
-          sums[0] += dn * xf[j];
-          if constexpr (kLayer) sums[1] += dn;
-        }
+        add_saved_sums<KIND>(sums, xf, df, f);
       });
       sum_row(s);
-      if constexpr (kLayer) s[0] = fmaf(-mean, s[1], s[0]);
-      mean_dn_n = s[0] * rstd * p.inv_cols;
-      mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+      means = saved_means<KIND>(saved, s, p.inv_cols);
     } else if constexpr (NORMED) {
+      float mean = 0.f;
       if constexpr (kLayer) {
         // Offsets from the row's first element, as the forward sums them (norm_forward.cuh).
         const float first = to_float(x[0]);
@@ -405,30 +478,15 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
         sum_row(s);
         mean = first + s[0] * p.inv_cols;
       }
-      // Square sum of the centred row, sum of dn * centred, and (LayerNorm) sum of dn.
-      constexpr int kSums = kLayer ? 3 : 2;
-      float s[kSums] = {};
+      float s[centred_sums(KIND)] = {};
       for_row(s, [&](auto& sums, const float (&xf)[VEC], const float (&df)[VEC], const float (&f)[VEC]) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float c = xf[j] - mean;
-          const float dn = df[j] * f[j];
-          sums[0] += c * c;
-          sums[1] += dn * c;
-          if constexpr (kLayer) sums[kSums - 1] += dn;
-        }
+        add_centred_sums<KIND>(sums, xf, df, f, mean);
       });
       sum_row(s);
-      rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
-      mean_dn_n = s[1] * rstd * p.inv_cols;
-      mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+      means = centred_means<KIND>(mean, s, p.inv_cols, p.eps);
     }
     if (!active) continue;
-    // LayerNorm's dx = rstd * (dn - mean_dn - n * mean_dn_n) and n = (x - mean) * rstd as
-    // two FMAs each (RMSNorm's mean_dn and mean are 0: its forms stay). Folding the mean
-    // into an FMA adds an error of about 2^-24 * |mean| / std to n, below that of x's own
-    // rounding.
-    const float neg_mean_rstd = -mean * rstd, dn_scale = rstd * mean_dn_n, neg_mean_dn = -rstd * mean_dn;
+    const RowGrad<KIND> row(means);
     const int64_t out_row = r * p.cols;
     const T* extra = p.grad_extra != nullptr ? p.grad_extra + r * p.grad_extra_stride : nullptr;
     const T* gated = GATED ? p.gate_input + r * p.gate_input_stride : nullptr;
@@ -461,11 +519,9 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float dn = df[j] * own_factor[k][j];
-          normed[j] = !NORMED ? xf[j] : kLayer ? fmaf(xf[j], rstd, neg_mean_rstd) : xf[j] * rstd;
+          normed[j] = NORMED ? row.normed(xf[j]) : xf[j];
           // Without a norm, dn as is: an infinite x times a zero mean_dn_n would make it NaN.
-          g[j] = !NORMED ? dn
-                 : kLayer  ? fmaf(-normed[j], dn_scale, fmaf(dn, rstd, neg_mean_dn))
-                           : rstd * (dn - normed[j] * mean_dn_n);
+          g[j] = NORMED ? row.grad(dn, normed[j]) : dn;
           if constexpr (decltype(add_extra)::value) g[j] += ex[j];
         }
         const Vec<T, VEC> grad_stored = from_floats<T>(g);
@@ -538,22 +594,6 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
   }
 }
 
-// N sums over the block (blockDim.x a multiple of 32): every value's warp sums, then one
-// barrier for all of them (block_sum's, N at once).
-template <int N>
-__device__ __forceinline__ void block_sums(float (&v)[N], float (*scratch)[32]) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-#pragma unroll
-  for (int j = 0; j < N; ++j) v[j] = group_sum(v[j], 32);
-  if (lane == 0) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) scratch[j][warp] = v[j];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < N; ++j) v[j] = group_sum(lane < warps ? scratch[j][lane] : 0.f, 32);
-}
-
 // Few rows of the normed ops without a gated residual (at most one row an SM, rows of up to
 // kBwdFewRowsBlock vectors): a block a row, a vector a thread, block (token, group). A row's
 // time is its threads' chain of dependent instructions, so everything norm_backward_kernel
@@ -589,8 +629,7 @@ __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(con
     }
     if (p.grad_extra != nullptr) ev = load_vec<T, VEC>(p.grad_extra + r * p.grad_extra_stride, i);
   }
-  float2 saved = make_float2(0.f, 1.f);
-  if constexpr (STATS) saved = p.stats[r];
+  const float2 saved = STATS ? p.stats[r] : make_float2(0.f, 1.f);
   // LayerNorm without statistics sums offsets from the row's first element, as the forward.
   const float first = kLayer && !STATS ? to_float(x[0]) : 0.f;
 
@@ -603,59 +642,37 @@ __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(con
     to_floats(wv, f);
   }
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    f[j] = MODULATE || p.weight != nullptr ? f[j] + p.factor_offset : 1.f;
-    if (!has) xf[j] = first, df[j] = 0.f;  // adds nothing to any sum
-  }
+  for (int j = 0; j < VEC; ++j) f[j] = MODULATE || p.weight != nullptr ? f[j] + p.factor_offset : 1.f;
 
-  float mean = 0.f, rstd = 1.f, mean_dn_n = 0.f, mean_dn = 0.f;
+  // Threads past the row end join each block reduction with nothing added.
+  RowMeans means;
   if constexpr (STATS) {
-    if constexpr (kLayer) mean = saved.x;
-    rstd = saved.y;
-    constexpr int kSums = kLayer ? 2 : 1;
-    float s[kSums] = {};
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float dn = df[j] * f[j];
-      s[0] += dn * xf[j];
-      if constexpr (kLayer) s[1] += dn;
-    }
+    float s[saved_sums(KIND)] = {};
+    if (has) add_saved_sums<KIND>(s, xf, df, f);
     block_sums(s, scratch);
-    if constexpr (kLayer) s[0] = fmaf(-mean, s[1], s[0]);
-    mean_dn_n = s[0] * rstd * p.inv_cols;
-    mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+    means = saved_means<KIND>(saved, s, p.inv_cols);
   } else {
+    float mean = 0.f;
     if constexpr (kLayer) {
       float s[1] = {0.f};
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) s[0] += xf[j] - first;
+      for (int j = 0; j < VEC; ++j) s[0] += has ? xf[j] - first : 0.f;
       block_sums(s, scratch + kBwdRowSums);
       mean = first + s[0] * p.inv_cols;
     }
-    constexpr int kSums = kLayer ? 3 : 2;
-    float s[kSums] = {};
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float c = has ? xf[j] - mean : 0.f;
-      const float dn = df[j] * f[j];
-      s[0] += c * c;
-      s[1] += dn * c;
-      if constexpr (kLayer) s[kSums - 1] += dn;
-    }
+    float s[centred_sums(KIND)] = {};
+    if (has) add_centred_sums<KIND>(s, xf, df, f, mean);
     block_sums(s, scratch);
-    rstd = rsqrtf(s[0] * p.inv_cols + p.eps);
-    mean_dn_n = s[1] * rstd * p.inv_cols;
-    mean_dn = kLayer ? s[kSums - 1] * p.inv_cols : 0.f;
+    means = centred_means<KIND>(mean, s, p.inv_cols, p.eps);
   }
   if (!has) return;
-  const float neg_mean_rstd = -mean * rstd, dn_scale = rstd * mean_dn_n, neg_mean_dn = -rstd * mean_dn;
+  const RowGrad<KIND> row(means);
   float g[VEC], normed[VEC], ex[VEC];
   to_floats(ev, ex);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const float dn = df[j] * f[j];
-    normed[j] = kLayer ? fmaf(xf[j], rstd, neg_mean_rstd) : xf[j] * rstd;
-    g[j] = kLayer ? fmaf(-normed[j], dn_scale, fmaf(dn, rstd, neg_mean_dn)) : rstd * (dn - normed[j] * mean_dn_n);
+    normed[j] = row.normed(xf[j]);
+    g[j] = row.grad(df[j] * f[j], normed[j]);
     if (p.grad_extra != nullptr) g[j] += ex[j];
   }
   const int64_t out_row = r * p.cols;
