@@ -9,8 +9,7 @@
 // over blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange
 // their row sums through distributed shared memory; elsewhere (or past 8 slices) each block
 // reads the whole row for the row sums (the other slices' reads partly hit L2). Few rows of
-// up to 512 vectors without a gated residual, a block a row, take norm_backward_row_kernel
-// instead. The measurements behind the launch constants, and the alternatives they beat,
+// up to 512 vectors, a block a row, take norm_backward_row_kernel instead. The measurements behind the launch constants, and the alternatives they beat,
 // are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
@@ -48,6 +47,9 @@ constexpr int kBwdMaxBlock = 256;
 constexpr int kBwdFewRowsBlock = 512;
 constexpr int kBwdFewRowsSlice = 128;
 constexpr int kBwdMaxCluster = 8;  // the portable cluster size
+// One block's group of up to four rows is faster as a block a row and a second launch for the
+// column sums (the row kernel's chain of instructions is shorter); of sixteen it is not.
+constexpr int kBwdRowKernelGroupRows = 4;
 // Two blocks of 256 threads per SM bound the registers at 128 (no spills at 32 elements).
 constexpr int kBwdMinBlocks = 2;
 // AdaLN's backward kernels load their first row before the scale on sm_90 only: compiled
@@ -594,18 +596,19 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
   }
 }
 
-// Few rows of the normed ops without a gated residual (at most one row an SM, rows of up to
-// kBwdFewRowsBlock vectors): a block a row, a vector a thread, block (token, group). A row's
+// Few rows of the normed ops (at most one row an SM, rows of up to kBwdFewRowsBlock
+// vectors): a block a row, a vector a thread, block (token, group). A row's
 // time is its threads' chain of dependent instructions, so everything norm_backward_kernel
 // decides at run time for its walk over rows is gone: no row loop, division, shared-memory
 // column accumulators or second barrier; every load (x, dy, the factor, the extra grad, the
 // saved statistics) goes out before the row sums, and each thread writes its vector of the
 // column grads (the block's partial row, or with one row a group the sums themselves, or the
-// per-token rows) straight from registers. STATS: AdaLN's saved (mean, rstd). The math is
-// norm_backward_kernel's.
-template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool STATS>
+// per-token rows) straight from registers. STATS: AdaLN's saved (mean, rstd). GATED: the
+// gated residual before AdaLN (gated_residual_adaln's pass on the stored grad, see
+// norm_backward_kernel). The math is norm_backward_kernel's.
+template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool STATS, bool GATED>
 __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(const NormBwdParams<T, W, G> p) {
-  static_assert(!STATS || MODULATE, "norm backward rows: saved statistics come with AdaLN");
+  static_assert((!STATS && !GATED) || MODULATE, "norm backward rows: statistics and gates come with AdaLN");
   constexpr bool kLayer = KIND == NormKind::kLayer;
   // The row sums' slots, and (LayerNorm without statistics) the mean's, apart: the row
   // sums' writes then need no barrier after the mean's reads.
@@ -619,6 +622,7 @@ __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(con
   Vec<T, VEC> ev{};
   Vec<T, VEC> sv{};
   Vec<W, VEC> wv{};
+  Vec<T, VEC> gate_v{}, gated_v{};
   if (has) {
     xv = load_vec<T, VEC>(x, i);
     dyv = load_vec<G, VEC>(p.grad_out + r * p.grad_out_stride, i);
@@ -628,6 +632,10 @@ __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(con
       wv = load_vec<W, VEC>(p.weight, i);
     }
     if (p.grad_extra != nullptr) ev = load_vec<T, VEC>(p.grad_extra + r * p.grad_extra_stride, i);
+    if constexpr (GATED) {
+      gate_v = load_vec<T, VEC>(p.gate + static_cast<int64_t>(blockIdx.y) * p.gate_batch + token * p.gate_token, i);
+      gated_v = load_vec<T, VEC>(p.gate_input + r * p.gate_input_stride, i);
+    }
   }
   const float2 saved = STATS ? p.stats[r] : make_float2(0.f, 1.f);
   // LayerNorm without statistics sums offsets from the row's first element, as the forward.
@@ -676,7 +684,21 @@ __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(con
     if (p.grad_extra != nullptr) g[j] += ex[j];
   }
   const int64_t out_row = r * p.cols;
-  store_vec<T, VEC>(p.grad_input + out_row, i, from_floats<T>(g));
+  const Vec<T, VEC> grad_stored = from_floats<T>(g);
+  store_vec<T, VEC>(p.grad_input + out_row, i, grad_stored);
+  if constexpr (GATED) {
+    // dr * gate and dr * input from the grad as stored (dr).
+    float dr[VEC], gate_f[VEC], input_f[VEC], dr_gate[VEC];
+    Vec<float, VEC> dr_input;
+    to_floats(grad_stored, dr);
+    to_floats(gate_v, gate_f);
+    to_floats(gated_v, input_f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dr_gate[j] = dr[j] * gate_f[j], dr_input.v[j] = dr[j] * input_f[j];
+    store_vec<T, VEC>(p.gate_input_grad + out_row, i, from_floats<T>(dr_gate));
+    if (p.gate_partial != nullptr) store_sums<T, VEC>(p.gate_partial, out_row, i, dr_input, p.rounded_partials >> 2 & 1);
+    if (p.gate_rows != nullptr) store_vec<T, VEC>(p.gate_rows + out_row, i, from_floats<T>(dr_input.v));
+  }
   // Rounding a float input to float changes nothing.
   if (p.cast_before_weight && !std::is_same_v<T, float>) to_floats(from_floats<T>(normed), normed);
   Vec<float, VEC> dy_n;
@@ -973,13 +995,14 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     const Layout few = layout(1, few_threads);
     const auto block_rows = [](const Layout& lay) { return lay.block / lay.cfg.threads_per_row; };
     const bool one_block = sums && chosen.slices == 1 && a.group_rows <= block_rows(chosen);
-    if (!one_block || a.group_rows <= block_rows(few)) {
+    // A group of more than kBwdRowKernelGroupRows rows that one block holds stays in that
+    // block, which writes the column sums without a second launch.
+    const bool row_group = few.slices == 1 && a.group_rows <= kBwdRowKernelGroupRows;
+    if (!one_block || a.group_rows <= block_rows(few) || row_group) {
       chosen = few;
-      // A row of one block without a gated residual: norm_backward_row_kernel's, the same
-      // layout without the general kernel's walk over rows (docs/decisions.md), unless the
-      // layout was chosen for holding the group's narrow rows in one block, which then
-      // writes the sums without a second launch.
-      row_kernel = !GATED && few.slices == 1 && (!one_block || block_rows(few) == 1);
+      // A row of one block: norm_backward_row_kernel's, the same layout without the general
+      // kernel's walk over rows (docs/decisions.md).
+      row_kernel = few.slices == 1 && (!one_block || row_group);
     }
   }
   const Kernel kernel = chosen.kernel;
@@ -1062,11 +1085,11 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
       const unsigned threads = static_cast<unsigned>((nvec + 31) / 32 * 32);
       kernel<<<dim3(static_cast<unsigned>(a.group_rows), static_cast<unsigned>(groups)), threads, 0, stream>>>(p);
     };
-    if constexpr (NORMED && !GATED) {
+    if constexpr (NORMED) {
       if (MODULATE && a.stats != nullptr) {
-        run(norm_backward_row_kernel<T, W, G, V, KIND, MODULATE, MODULATE>);
+        run(norm_backward_row_kernel<T, W, G, V, KIND, MODULATE, MODULATE, GATED>);
       } else {
-        run(norm_backward_row_kernel<T, W, G, V, KIND, MODULATE, false>);
+        run(norm_backward_row_kernel<T, W, G, V, KIND, MODULATE, false, GATED>);
       }
     }
   } else if (clustered) {
