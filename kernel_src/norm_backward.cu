@@ -9,8 +9,8 @@
 // over blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange
 // their row sums through distributed shared memory; elsewhere (or past 8 slices) each block
 // reads the whole row for the row sums (the other slices' reads partly hit L2). Few rows of
-// up to 512 vectors, a block a row, take norm_backward_row_kernel instead. The measurements behind the launch constants, and the alternatives they beat,
-// are rows of docs/decisions.md.
+// up to 512 vectors, a block a row, take norm_backward_row_kernel instead. The measurements
+// behind the launch constants, and the alternatives they beat, are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 
