@@ -238,6 +238,24 @@ struct RowGrad {
   }
 };
 
+// gated_residual_adaln's pass on a row's grad as stored (dr, the summed row's grad): writes
+// the gated input's grad dr * gate; returns the gate's grad dr * input (for its column sums,
+// or its rows with a gate per token).
+template <typename T, typename W, typename G, int VEC>
+__device__ __forceinline__ Vec<float, VEC> gated_pass(const NormBwdParams<T, W, G>& p, int64_t out_row, int i,
+                                                      const Vec<T, VEC>& dr_stored, const Vec<T, VEC>& gate,
+                                                      const Vec<T, VEC>& input) {
+  float dr[VEC], gate_f[VEC], input_f[VEC], dr_gate[VEC];
+  Vec<float, VEC> dr_input;
+  to_floats(dr_stored, dr);
+  to_floats(gate, gate_f);
+  to_floats(input, input_f);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) dr_gate[j] = dr[j] * gate_f[j], dr_input.v[j] = dr[j] * input_f[j];
+  store_vec<T, VEC>(p.gate_input_grad + out_row, i, from_floats<T>(dr_gate));
+  return dr_input;
+}
+
 // NORMED: the row was normalised; without it (the gated residual alone) n = x, dx = dy * g
 // and KIND is unused.
 // VECS: vectors a thread (bwd_vecs, or one for few rows).
@@ -529,16 +547,10 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
         const Vec<T, VEC> grad_stored = from_floats<T>(g);
         store_vec<T, VEC>(p.grad_input + out_row, i, grad_stored);
         if constexpr (GATED) {
-          // gated_residual_backward's pass on grad_input as stored: dr * gate, dr * input.
-          float dr[VEC], gate_f[VEC], input_f[VEC], dr_gate[VEC], dr_input[VEC];
-          to_floats(grad_stored, dr);
-          to_floats(load_vec<T, VEC>(gate_row, i), gate_f);
-          to_floats(gated_vecs[k], input_f);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) dr_gate[j] = dr[j] * gate_f[j], dr_input[j] = dr[j] * input_f[j];
-          store_vec<T, VEC>(p.gate_input_grad + out_row, i, from_floats<T>(dr_gate));
-          if (accumulate) add_slots(2, k, dr_input);
-          if (p.gate_rows != nullptr) store_vec<T, VEC>(p.gate_rows + out_row, i, from_floats<T>(dr_input));
+          const Vec<float, VEC> dr_input = gated_pass(p, out_row, i, grad_stored, load_vec<T, VEC>(gate_row, i),
+                                                      gated_vecs[k]);
+          if (accumulate) add_slots(2, k, dr_input.v);
+          if (p.gate_rows != nullptr) store_vec<T, VEC>(p.gate_rows + out_row, i, from_floats<T>(dr_input.v));
         }
         if constexpr (decltype(round_normed)::value) to_floats(from_floats<T>(normed), normed);
         float dy_n[VEC];
@@ -687,15 +699,7 @@ __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(con
   const Vec<T, VEC> grad_stored = from_floats<T>(g);
   store_vec<T, VEC>(p.grad_input + out_row, i, grad_stored);
   if constexpr (GATED) {
-    // dr * gate and dr * input from the grad as stored (dr).
-    float dr[VEC], gate_f[VEC], input_f[VEC], dr_gate[VEC];
-    Vec<float, VEC> dr_input;
-    to_floats(grad_stored, dr);
-    to_floats(gate_v, gate_f);
-    to_floats(gated_v, input_f);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) dr_gate[j] = dr[j] * gate_f[j], dr_input.v[j] = dr[j] * input_f[j];
-    store_vec<T, VEC>(p.gate_input_grad + out_row, i, from_floats<T>(dr_gate));
+    const Vec<float, VEC> dr_input = gated_pass(p, out_row, i, grad_stored, gate_v, gated_v);
     if (p.gate_partial != nullptr) store_sums<T, VEC>(p.gate_partial, out_row, i, dr_input, p.rounded_partials >> 2 & 1);
     if (p.gate_rows != nullptr) store_vec<T, VEC>(p.gate_rows + out_row, i, from_floats<T>(dr_input.v));
   }

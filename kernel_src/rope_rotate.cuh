@@ -369,14 +369,14 @@ void launch_lean(const RopeArgs& a, cudaStream_t stream, int head_blocks) {
 }
 
 // Whether rope_lean_kernel takes the heads at HEADS a row: every channel rotating, a head's
-// units within one row of threads, head counts multiples of HEADS (or, with tails, any), a
-// block a group at most within the grid's y bound (the caller checks the alignment of N-wide
-// units).
+// units within one row of threads, a block a group at most within the grid's y bound (a
+// tensor's last group may be short of heads: TAILS; the caller checks the alignment of
+// N-wide units).
 template <int N, int HEADS>
-bool lean_rope(const RopeArgs& a, bool tails = false) {
+bool lean_rope(const RopeArgs& a) {
   const int64_t groups = (a.q.heads + HEADS - 1) / HEADS + (a.k.heads + HEADS - 1) / HEADS;
   return a.rotary_dim == a.head_dim && a.rotary_dim > 0 && a.rotary_dim / 2 / N <= kUnitThreads &&
-         (tails || (a.q.heads % HEADS == 0 && a.k.heads % HEADS == 0)) && groups <= kMaxGridY;
+         groups <= kMaxGridY;
 }
 
 // Whether rope_pairs_kernel takes an interleaved call at `unit_threads` (launch_pairs):
@@ -453,8 +453,10 @@ void launch(const RopeArgs& a, cudaStream_t stream) {
     if (decode && lean_rope<kHalfVec, 1>(a)) {
       return launch_lean<T, C, kHalfVec, 1, false>(a, stream, kLeanDecodeHeadBlocks);
     }
-    if (!decode && lean_rope<kHalfVec, 2>(a)) return launch_lean<T, C, kHalfVec, 2, false>(a, stream, 1);
-    if (!decode && lean_rope<kHalfVec, 2>(a, true)) return launch_lean<T, C, kHalfVec, 2, true>(a, stream, 1);
+    if (!decode && lean_rope<kHalfVec, 2>(a)) {
+      if (a.q.heads % 2 == 0 && a.k.heads % 2 == 0) return launch_lean<T, C, kHalfVec, 2, false>(a, stream, 1);
+      return launch_lean<T, C, kHalfVec, 2, true>(a, stream, 1);
+    }
     const int head_blocks = decode ? 4 : 1;
     if (a.q.heads % 2 == 0 && a.k.heads % 2 == 0) {
       return launch_with<T, C, false, kHalfVec, 2, true>(a, stream, head_blocks);
