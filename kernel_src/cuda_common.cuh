@@ -413,6 +413,46 @@ inline cudaLaunchConfig_t cluster_launch(dim3 grid, int block, std::size_t share
   return config;
 }
 
+// Programmatic dependent launch (sm_90 and later): a kernel launched with pdl_launch may
+// start while the kernel before it in the stream runs, once every block of that kernel has
+// called griddep_launch_dependents (or exited); its griddep_wait holds it until that kernel
+// has finished and its writes are visible. Both compile to nothing below sm_90, so a
+// dependent launch needs code built for sm_90 or later (runs_sm90_code).
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// `attribute` must outlive the config.
+inline cudaLaunchConfig_t pdl_launch(dim3 grid, dim3 block, cudaStream_t stream, cudaLaunchAttribute& attribute) {
+  attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = 0, config.stream = stream;
+  config.attrs = &attribute, config.numAttrs = 1;
+  return config;
+}
+
+// Whether `kernel` runs code compiled for sm_90 or later on the current device: not where
+// it came from older PTX (a build without capability 9.0, JIT-compiled for a newer GPU).
+inline bool runs_sm90_code(const void* kernel, int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  cudaFuncAttributes compiled{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&compiled, kernel));
+  return cache.emplace(key, compiled.ptxVersion >= 90).first->second;
+}
+
 // Clusters of `cluster` blocks (along x) of `kernel` resident at once on `device`, which
 // must be current (sm_90 and later); call max_blocks_per_sm first for the shared memory.
 // 0 when the kernel's code came from PTX older than sm_90 (a build without capability 9.0,
@@ -424,10 +464,8 @@ inline int max_active_clusters(const void* kernel, int device, int cluster, int 
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
-  cudaFuncAttributes compiled{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&compiled, kernel));
   int clusters = 0;
-  if (compiled.ptxVersion >= 90) {
+  if (runs_sm90_code(kernel, device)) {
     cudaLaunchAttribute attribute;
     const cudaLaunchConfig_t config = cluster_launch(dim3(cluster), block, shared, nullptr, cluster, attribute);
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));

@@ -262,6 +262,7 @@ __device__ __forceinline__ Vec<float, VEC> gated_pass(const NormBwdParams<T, W, 
 template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool GATED, bool NORMED, int VECS>
 __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, VECS == 1 ? 1 : kBwdMinBlocks)
     norm_backward_kernel(const NormBwdParams<T, W, G> p, int threads_per_row, int slices) {
+  griddep_launch_dependents();  // the column sums' launch may start (and wait for this kernel)
   // Column-grad sums, per thread kAccs x kElems floats and padding: dy * n, (AdaLN) dy and
   // (gated) dr * input.
   extern __shared__ float4 column_acc_storage[];
@@ -621,6 +622,7 @@ __global__ void __launch_bounds__(VECS == 1 ? kBwdFewRowsBlock : kBwdMaxBlock, V
 template <typename T, typename W, typename G, int VEC, NormKind KIND, bool MODULATE, bool STATS, bool GATED>
 __global__ void __launch_bounds__(kBwdFewRowsBlock) norm_backward_row_kernel(const NormBwdParams<T, W, G> p) {
   static_assert((!STATS && !GATED) || MODULATE, "norm backward rows: statistics and gates come with AdaLN");
+  griddep_launch_dependents();
   constexpr bool kLayer = KIND == NormKind::kLayer;
   // The row sums' slots, and (LayerNorm without statistics) the mean's, apart: the row
   // sums' writes then need no barrier after the mean's reads.
@@ -742,6 +744,7 @@ __device__ __forceinline__ F pick_grad(const F (&field)[3]) {
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kSumThreads) column_sum_kernel(const ColumnSums grads, int partial_rows, int cols) {
+  griddep_wait();
   constexpr int kRowThreads = kSumThreads * VEC / kSumCols;  // blockDim.y
   constexpr int kSegments = kSumThreads / kSumCols;
   __shared__ float4 tile_storage[kRowThreads * kSumCols / 4];
@@ -794,6 +797,7 @@ constexpr int kFewPartialRows = 8, kFewSumThreads = 128;
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kFewSumThreads) few_column_sum_kernel(const ColumnSums grads, int partial_rows,
                                                                         int cols) {
+  griddep_wait();
   const int first_col = (blockIdx.x * kFewSumThreads + threadIdx.x) * VEC;
   if (first_col >= cols) return;
   const float* group = pick_grad(grads.partial) + static_cast<int64_t>(blockIdx.y) * partial_rows * cols + first_col;
@@ -1116,21 +1120,32 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
     // The partial buffers are fresh allocations with rows of cols floats: 16-byte aligned
     // when cols is a multiple of 4.
     constexpr int kSumVec = 4;
+    // On sm_90 and later the sums' launch is a programmatic dependent launch: its blocks
+    // start while the row blocks run and wait for them (griddep_wait), so that its launch
+    // latency overlaps theirs (docs/decisions.md).
+    const int cols = static_cast<int>(a.cols);
+    const auto launch_sums = [&](auto kernel, dim3 grid, dim3 block) {
+      if (cluster_arch && runs_sm90_code(reinterpret_cast<const void*>(kernel), device)) {
+        cudaLaunchAttribute attribute;
+        const cudaLaunchConfig_t config = pdl_launch(grid, block, stream, attribute);
+        C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, grads, row_blocks, cols));
+      } else {
+        kernel<<<grid, block, 0, stream>>>(grads, row_blocks, cols);
+      }
+    };
     if (row_blocks <= kFewPartialRows) {
       const int vec = a.cols % kSumVec == 0 ? kSumVec : 1;
       const dim3 grid(static_cast<unsigned>((a.cols / vec + kFewSumThreads - 1) / kFewSumThreads),
                       static_cast<unsigned>(groups), count);
       if (vec == kSumVec) {
-        few_column_sum_kernel<T, kSumVec><<<grid, kFewSumThreads, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+        launch_sums(few_column_sum_kernel<T, kSumVec>, grid, dim3(kFewSumThreads));
       } else {
-        few_column_sum_kernel<T, 1><<<grid, kFewSumThreads, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+        launch_sums(few_column_sum_kernel<T, 1>, grid, dim3(kFewSumThreads));
       }
     } else if (a.cols % kSumVec == 0) {
-      const dim3 block(kSumCols / kSumVec, kSumThreads * kSumVec / kSumCols);
-      column_sum_kernel<T, kSumVec><<<sum_grid, block, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+      launch_sums(column_sum_kernel<T, kSumVec>, sum_grid, dim3(kSumCols / kSumVec, kSumThreads * kSumVec / kSumCols));
     } else {
-      const dim3 block(kSumCols, kSumThreads / kSumCols);
-      column_sum_kernel<T, 1><<<sum_grid, block, 0, stream>>>(grads, row_blocks, static_cast<int>(a.cols));
+      launch_sums(column_sum_kernel<T, 1>, sum_grid, dim3(kSumCols, kSumThreads / kSumCols));
     }
     check_launch();
   }
