@@ -400,6 +400,15 @@ inline int max_blocks_per_sm(const void* kernel, int device, int block, std::siz
   return blocks;
 }
 
+// A cudaLaunchKernelEx config with one launch attribute, which must outlive the config.
+inline cudaLaunchConfig_t launch_with(dim3 grid, dim3 block, std::size_t shared, cudaStream_t stream,
+                                      cudaLaunchAttribute& attribute) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = shared, config.stream = stream;
+  config.attrs = &attribute, config.numAttrs = 1;
+  return config;
+}
+
 // A launch in clusters of `cluster` blocks along x (sm_90 and later), for
 // cudaLaunchKernelEx; `attribute` holds the cluster shape and must outlive the config.
 inline cudaLaunchConfig_t cluster_launch(dim3 grid, int block, std::size_t shared, cudaStream_t stream, int cluster,
@@ -407,10 +416,7 @@ inline cudaLaunchConfig_t cluster_launch(dim3 grid, int block, std::size_t share
   attribute = {};
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = cluster, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = dim3(block), config.dynamicSmemBytes = shared, config.stream = stream;
-  config.attrs = &attribute, config.numAttrs = 1;
-  return config;
+  return launch_with(grid, dim3(block), shared, stream, attribute);
 }
 
 // Programmatic dependent launch (sm_90 and later): a kernel launched with pdl_launch may
@@ -433,10 +439,7 @@ inline cudaLaunchConfig_t pdl_launch(dim3 grid, dim3 block, cudaStream_t stream,
   attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = 0, config.stream = stream;
-  config.attrs = &attribute, config.numAttrs = 1;
-  return config;
+  return launch_with(grid, block, 0, stream, attribute);
 }
 
 // Whether `kernel` runs code compiled for sm_90 or later on the current device: not where

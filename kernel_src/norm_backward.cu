@@ -3,14 +3,15 @@
 // fixed set of rows of one group, keeping its slice of x and dy in registers and adding its
 // slice of the column grads into fp32 shared memory (each thread its own slots: no atomics,
 // no races); it then writes one partial row per column grad, which column_sum_kernel (or,
-// at up to eight partial rows, few_column_sum_kernel) adds up in a fixed order (a grid of
-// one row block writes the sums themselves; the gated residual alone at few rows a batch
-// entry takes gate_backward_columns_kernel instead). Rows wider than one slice are split
-// over blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange
-// their row sums through distributed shared memory; elsewhere (or past 8 slices) each block
-// reads the whole row for the row sums (the other slices' reads partly hit L2). Few rows of
-// up to 512 vectors, a block a row, take norm_backward_row_kernel instead. The measurements
-// behind the launch constants, and the alternatives they beat, are rows of docs/decisions.md.
+// at up to eight partial rows, few_column_sum_kernel; on sm_90 a programmatic dependent
+// launch) adds up in a fixed order (a grid of one row block writes the sums themselves; the
+// gated residual alone at few rows a batch entry takes gate_backward_columns_kernel
+// instead). Rows wider than one slice are split over blockIdx.x: on sm_90 the slices of a
+// row are one cluster's blocks, which exchange their row sums through distributed shared
+// memory; elsewhere (or past 8 slices) each block reads the whole row for the row sums (the
+// other slices' reads partly hit L2). Few rows of up to 512 vectors, a block a row, take
+// norm_backward_row_kernel instead. The measurements behind the launch constants, and the
+// alternatives they beat, are rows of docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 
