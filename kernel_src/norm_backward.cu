@@ -923,6 +923,71 @@ bool launch_gate_columns(const NormBackwardArgs& a, bool vector, cudaStream_t st
   return true;
 }
 
+// The gated residual alone with a gate row per input row (decode steps' [B, 1, D] gates, a
+// gate per token) at few rows in all: both grads are elementwise, dy * gate into grad_input
+// and dy * input into the gate's rows, a thread a vector, block (columns, token, group), with
+// none of norm_backward_kernel's walk over rows or shared-memory slots. Offsets within 32
+// bits (launch_gate_rows checks it): a decode step's time is its chain of instructions.
+template <typename T>
+struct GateRowParams {
+  T* grad_input;      // [rows, cols] contiguous: grad_out * gate
+  T* gate_rows;       // [rows, cols] contiguous: grad_out * input
+  const T* grad_out;  // [rows, cols], rows grad_out_stride apart
+  const T* input;     // [rows, cols], rows input_stride apart
+  const T* gate;      // row (group, token) at group * gate_batch + token * gate_token
+  int gate_batch, gate_token, group_rows, input_stride, grad_out_stride, cols;
+};
+constexpr int kGateRowThreads = 128;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kGateRowThreads) gate_backward_rows_kernel(const GateRowParams<T> p) {
+  const int i = blockIdx.x * kGateRowThreads + threadIdx.x;
+  if (i >= p.cols / VEC) return;
+  const int token = blockIdx.y, group = blockIdx.z, r = group * p.group_rows + token;
+  const Vec<T, VEC> dyv = load_vec<T, VEC>(p.grad_out + r * p.grad_out_stride, i);
+  const Vec<T, VEC> xv = load_vec<T, VEC>(p.input + r * p.input_stride, i);
+  const Vec<T, VEC> gv = load_vec<T, VEC>(p.gate + group * p.gate_batch + token * p.gate_token, i);
+  float df[VEC], xf[VEC], gf[VEC], dx[VEC], dg[VEC];
+  to_floats(dyv, df);
+  to_floats(xv, xf);
+  to_floats(gv, gf);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) dx[j] = df[j] * gf[j], dg[j] = df[j] * xf[j];
+  store_vec<T, VEC>(p.grad_input + r * p.cols, i, from_floats<T>(dx));
+  store_vec<T, VEC>(p.gate_rows + r * p.cols, i, from_floats<T>(dg));
+}
+
+// Runs the gated residual's backward on gate_backward_rows_kernel where it takes it: the
+// gate's grad per row, at most kGateColumnRows rows, offsets within 32 bits. Returns whether
+// it did.
+template <typename T>
+bool launch_gate_rows(const NormBackwardArgs& a, bool vector, cudaStream_t stream) {
+  if (a.factor_rows == nullptr || a.rows > kGateColumnRows) return false;
+  const int64_t groups = a.rows / a.group_rows;
+  const int64_t reach = std::max({a.rows * std::max({a.input_stride, a.grad_out_stride, a.cols}),
+                                  groups * a.scale.batch_stride + a.group_rows * a.scale.token_stride});
+  if (reach > INT32_MAX) return false;
+  TORCH_INTERNAL_ASSERT(a.factor_offset == 0.f && a.grad_extra == nullptr && a.factor_sums == nullptr &&
+                        a.shift_rows == nullptr);
+  constexpr int V = kVec16<T>;
+  const int vec = vector ? V : 1;
+  const auto narrow = [](int64_t v) { return static_cast<int>(v); };
+  const GateRowParams<T> p{static_cast<T*>(a.grad_input), static_cast<T*>(a.factor_rows),
+                           static_cast<const T*>(a.grad_out), static_cast<const T*>(a.input),
+                           static_cast<const T*>(a.scale.ptr), narrow(a.scale.batch_stride),
+                           narrow(a.scale.token_stride), narrow(a.group_rows), narrow(a.input_stride),
+                           narrow(a.grad_out_stride), narrow(a.cols)};
+  const dim3 grid(static_cast<unsigned>((a.cols / vec + kGateRowThreads - 1) / kGateRowThreads),
+                  static_cast<unsigned>(a.group_rows), static_cast<unsigned>(groups));
+  if (vector) {
+    gate_backward_rows_kernel<T, V><<<grid, kGateRowThreads, 0, stream>>>(p);
+  } else {
+    gate_backward_rows_kernel<T, 1><<<grid, kGateRowThreads, 0, stream>>>(p);
+  }
+  check_launch();
+  return true;
+}
+
 template <typename T, typename W, typename G, NormKind KIND, bool MODULATE, bool GATED = false, bool NORMED = true>
 void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
@@ -939,7 +1004,7 @@ void launch_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   const int vec = vector ? V : 1;
   const int64_t nvec = a.cols / vec;
   if constexpr (!NORMED) {
-    if (launch_gate_columns<T>(a, vector, stream)) return;
+    if (launch_gate_columns<T>(a, vector, stream) || launch_gate_rows<T>(a, vector, stream)) return;
   }
   constexpr int accs = bwd_accs(NORMED, MODULATE, GATED);
   const int device = a.device.index();

@@ -237,12 +237,14 @@ def test_forwards_with_stats_refuse_a_0dim_input(kernel, device):
 # input, with many rows and a shared gate (one group of column sums); many rows per batch
 # entry (partial column sums); rows wider than one CUDA slice, with a per-token gate too;
 # an odd width (the scalar path); few rows a block each on CUDA (a gate per batch entry, per
-# token, shared), one a ragged width (255 vectors in 16 bits).
+# token, shared), one a ragged width (255 vectors in 16 bits); decode steps' gates of a row
+# per input row, 16-byte vectors and the scalar path.
 GATED_SHAPES = [((2, 10, 64), (2, 1, 64)), ((2, 10, 64), (2, 64)), ((2, 10, 64), (64,)), ((2, 10, 64), (2, 10, 64)),
                 ((2, 10, 64), (1, 10, 64)), ((1, 10, 64), (1, 1, 64)), ((2, 1, 64), (2, 64)),
                 ((3, 64), (3, 64)), ((3, 64), (64,)), ((3000, 64), (1, 64)), ((2, 3000, 64), (2, 1, 64)),
                 ((2, 3, 9000), (2, 1, 9000)), ((2, 3, 9000), (2, 3, 9000)), ((2, 300, 65), (65,)),
-                ((2, 4, 2048), (2, 1, 2048)), ((1, 3, 2040), (1, 3, 2040)), ((2, 16, 512), (512,))]
+                ((2, 4, 2048), (2, 1, 2048)), ((1, 3, 2040), (1, 3, 2040)), ((2, 16, 512), (512,)),
+                ((8, 1, 2048), (8, 1, 2048)), ((4, 1, 509), (4, 1, 509))]
 
 
 # Rows on 64 CUDA threads (as vectors: 2048 16-bit or 1024 fp32 columns, and 1024 columns
