@@ -5,13 +5,14 @@
 // no races); it then writes one partial row per column grad, which column_sum_kernel (or,
 // at up to eight partial rows, few_column_sum_kernel; on sm_90 a programmatic dependent
 // launch) adds up in a fixed order (a grid of one row block writes the sums themselves; the
-// gated residual alone at few rows a batch entry takes gate_backward_columns_kernel
-// instead). Rows wider than one slice are split over blockIdx.x: on sm_90 the slices of a
-// row are one cluster's blocks, which exchange their row sums through distributed shared
-// memory; elsewhere (or past 8 slices) each block reads the whole row for the row sums (the
-// other slices' reads partly hit L2). Few rows of up to 512 vectors, a block a row, take
-// norm_backward_row_kernel instead. The measurements behind the launch constants, and the
-// alternatives they beat, are rows of docs/decisions.md.
+// gated residual alone at few rows takes gate_backward_columns_kernel instead, or with a
+// gate row per input row gate_backward_rows_kernel). Rows wider than one slice are split
+// over blockIdx.x: on sm_90 the slices of a row are one cluster's blocks, which exchange
+// their row sums through distributed shared memory; elsewhere (or past 8 slices) each block
+// reads the whole row for the row sums (the other slices' reads partly hit L2). Few rows of
+// up to 512 vectors, a block a row, take norm_backward_row_kernel instead. The measurements
+// behind the launch constants, and the alternatives they beat, are rows of
+// docs/decisions.md.
 #include "cuda_common.cuh"
 #include "norm.h"
 
@@ -958,8 +959,8 @@ __global__ void __launch_bounds__(kGateRowThreads) gate_backward_rows_kernel(con
 }
 
 // Runs the gated residual's backward on gate_backward_rows_kernel where it takes it: the
-// gate's grad per row, at most kGateColumnRows rows, offsets within 32 bits. Returns whether
-// it did.
+// gate's grad per row, at most kGateColumnRows rows (the decode steps it was timed on; more
+// rows keep norm_backward_kernel), offsets within 32 bits. Returns whether it did.
 template <typename T>
 bool launch_gate_rows(const NormBackwardArgs& a, bool vector, cudaStream_t stream) {
   if (a.factor_rows == nullptr || a.rows > kGateColumnRows) return false;
